@@ -1,0 +1,145 @@
+"""Checkpoints with ``torch.distributed.checkpoint`` (DCP): save every ``interval`` steps and at the
+end, resume from the newest complete one.
+
+Layout: ``<dump_folder>/<folder>/step-<N>/`` holds the DCP files of the model, optimizer and LR
+schedule, plus ``trainer_rank<r>.pt`` (step, dataloader state, RNG) and ``model.json`` (the model's
+shape, so a checkpoint of another model is refused with a message). A save goes to
+``step-<N>.tmp`` and is renamed only when complete, so a crash or kill during a save leaves the
+previous checkpoint as the newest loadable one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from components.config import Checkpoint as CheckpointConfig
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def _is_main() -> bool:
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def complete_checkpoints(folder: Path) -> dict[int, Path]:
+    """step -> folder of every finished checkpoint (``.tmp`` folders are unfinished saves)."""
+    out = {}
+    if folder.is_dir():
+        for child in folder.iterdir():
+            m = _STEP_DIR.match(child.name)
+            if m and (child / ".metadata").is_file() and (child / "model.json").is_file():
+                out[int(m.group(1))] = child
+    return out
+
+
+class CheckpointManager:
+    def __init__(self, cfg: CheckpointConfig, dump_folder: str, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 lr_scheduler: Any, dataloader: Any, model_identity: dict[str, Any]):
+        self.cfg = cfg
+        self.folder = Path(dump_folder) / cfg.folder
+        self.model, self.optimizer, self.lr_scheduler, self.dataloader = model, optimizer, lr_scheduler, dataloader
+        self.identity = model_identity
+
+    def _dcp_state(self) -> dict[str, Any]:
+        return {
+            "model": get_model_state_dict(self.model),
+            "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+        }
+
+    def should_save(self, step: int, last_step: int) -> bool:
+        return self.cfg.enable and (step % self.cfg.interval == 0 or step == last_step)
+
+    def save(self, step: int) -> Path:
+        final = self.folder / f"step-{step}"
+        tmp = self.folder / f"step-{step}.tmp"
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        if _is_main():
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _barrier()
+        dcp.save(self._dcp_state(), checkpoint_id=str(tmp))
+        torch.save({"step": step, "dataloader": self.dataloader.state_dict(), "rng": torch.get_rng_state(),
+                    "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+                   tmp / f"trainer_rank{rank}.pt")
+        _barrier()
+        if _is_main():
+            (tmp / "model.json").write_text(json.dumps(self.identity, indent=1, sort_keys=True))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)  # atomic: the checkpoint exists whole or not at all
+            self._purge_old()
+        _barrier()
+        return final
+
+    def _purge_old(self) -> None:
+        if self.cfg.keep_latest_k <= 0:
+            return
+        steps = sorted(complete_checkpoints(self.folder))
+        for s in steps[: -self.cfg.keep_latest_k]:
+            shutil.rmtree(self.folder / f"step-{s}", ignore_errors=True)
+
+    def maybe_load(self) -> int:
+        """Loads the checkpoint to resume from, if any; returns its step (0 when starting fresh)."""
+        if not self.cfg.enable:
+            return 0
+        found = complete_checkpoints(self.folder)
+        if self.cfg.load_step >= 0:
+            if self.cfg.load_step not in found:
+                raise CheckpointError(f"[checkpoint] load_step = {self.cfg.load_step}: no complete checkpoint "
+                                      f"for that step in {self.folder} (found: {sorted(found) or 'none'})")
+            step = self.cfg.load_step
+        elif not found:
+            return 0
+        else:
+            step = max(found)
+        path = found[step]
+        saved = json.loads((path / "model.json").read_text())
+        if saved != self.identity:
+            diff = {k: (saved.get(k), self.identity.get(k)) for k in set(saved) | set(self.identity)
+                    if saved.get(k) != self.identity.get(k)}
+            raise CheckpointError(
+                f"checkpoint {path} is of another model: " +
+                ", ".join(f"{k} saved {a!r} vs configured {b!r}" for k, (a, b) in sorted(diff.items())) +
+                "; point [checkpoint] folder elsewhere or fix the [model] section")
+        state = self._dcp_state()
+        dcp.load(state, checkpoint_id=str(path))
+        set_model_state_dict(self.model, state["model"])
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        extra = torch.load(path / f"trainer_rank{rank}.pt", weights_only=False)
+        self.dataloader.load_state_dict(extra["dataloader"])
+        torch.set_rng_state(extra["rng"])
+        if extra["cuda_rng"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(extra["cuda_rng"])
+        return int(extra["step"])
+
+
+def model_identity(args: Any, flavor: str) -> dict[str, Any]:
+    return {"flavor": flavor, **dataclasses.asdict(args)}

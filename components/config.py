@@ -1,0 +1,362 @@
+"""Job configuration: a TOML file mapped section by section onto typed dataclasses.
+
+    python train.py --config train_configs/debug_model.toml --training.steps 20 --compile.enable
+
+Every field of every section can be overridden on the command line as ``--section.key value``
+(``--section.key=value`` works too; a bool field given alone means true). Values are checked
+against the field's type, choices and range before anything is built; any problem raises one
+:class:`ConfigError` naming the file (or the command line), the key and what is allowed.
+``python train.py --help`` prints every section and field with its default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported to the user as one message (no traceback)."""
+
+
+def _field(default: Any, help: str, *, choices: tuple | None = None, ge: float | None = None,
+           gt: float | None = None, le: float | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le})
+
+
+@dataclass
+class Job:
+    description: str = _field("Qwen3-MoE training", "free text, printed at start")
+    dump_folder: str = _field("./outputs", "folder for checkpoints, TensorBoard logs and traces")
+
+
+@dataclass
+class Model:
+    name: str = _field("qwen3_moe", "model family", choices=("qwen3_moe",))
+    flavor: str = _field("debug", "size preset", choices=("debug", "qwen3_30b_a3b", "qwen3_235b_a22b"))
+    n_layers: int = _field(0, "number of transformer blocks; 0 keeps the flavor's own", ge=0)
+    rope_theta: float = _field(1e6, "RoPE base (Qwen3 base models: 1e6; the 235B -2507 release: 5e6)", gt=0)
+    tokenizer_path: str = _field("assets/tokenizer/tokenizer.model", "sentencepiece .model file")
+
+
+@dataclass
+class MoE:
+    backend: str = _field("grouped_mm", "routed-expert implementation: torch | grouped_mm | mega "
+                          "(kernels.available_moe_backends() lists the registered ones)")
+    load_balance: str = _field("aux_loss", "aux_loss: Qwen3's router auxiliary loss; expert_bias: "
+                               "aux-loss-free bias (DeepSeek-V3); none", choices=("aux_loss", "expert_bias", "none"))
+    aux_loss_coef: float = _field(0.001, "weight of the router auxiliary loss in the total loss", ge=0)
+    bias_update_rate: float = _field(0.001, "expert_bias step size per optimizer step", ge=0)
+
+
+@dataclass
+class Training:
+    dataset_path: str = _field("assets/data/stories", "a .txt file or a folder of .txt files, one document per line")
+    seq_len: int = _field(2048, "tokens per sample", ge=1)
+    local_batch_size: int = _field(8, "samples per device per micro-batch", ge=1)
+    global_batch_size: int = _field(-1, "samples per optimizer step over all ranks; -1 = local_batch_size x "
+                                    "data-parallel degree (no accumulation); a multiple of that enables "
+                                    "gradient accumulation", ge=-1)
+    steps: int = _field(10000, "optimizer steps to train", ge=1)
+    max_norm: float = _field(1.0, "gradient-norm clip; 0 disables clipping", ge=0)
+    seed: int = _field(0, "random seed for initialisation and data order", ge=0)
+    deterministic: bool = _field(False, "use deterministic algorithms (slower)")
+    mixed_precision_param: str = _field("bfloat16", "compute dtype of the forward/backward "
+                                        "(parameters and optimizer state stay float32)", choices=("bfloat16", "float32"))
+    device: str = _field("auto", "auto picks cuda when available, else cpu", choices=("auto", "cuda", "cpu"))
+
+
+@dataclass
+class Optimizer:
+    name: str = _field("AdamW", "optimizer", choices=("AdamW",))
+    lr: float = _field(8e-4, "peak learning rate", gt=0)
+    beta1: float = _field(0.9, "Adam beta1", ge=0, le=1)
+    beta2: float = _field(0.95, "Adam beta2", ge=0, le=1)
+    eps: float = _field(1e-8, "Adam epsilon", gt=0)
+    weight_decay: float = _field(0.1, "decoupled weight decay (not applied to norms, biases or embeddings)", ge=0)
+    implementation: str = _field("auto", "auto: fused on GPU, foreach on CPU", choices=("auto", "fused", "foreach", "for-loop"))
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = _field(200, "linear warmup steps", ge=0)
+    decay_ratio: float = _field(1.0, "fraction of the steps (at the end) spent decaying; the rest after "
+                                "warmup is constant (WSD); 1.0 decays over all steps after warmup", ge=0, le=1)
+    decay_type: str = _field("cosine", "shape of the decay", choices=("linear", "cosine", "sqrt"))
+    min_lr_factor: float = _field(0.1, "final lr as a fraction of the peak", ge=0, le=1)
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = _field(1, "DDP-style replicas (HSDP outer dim)", ge=1)
+    data_parallel_shard_degree: int = _field(-1, "FSDP shards; -1 = all remaining ranks", ge=-1)
+    expert_parallel_degree: int = _field(1, "ranks that split the experts of a layer", ge=1)
+    tensor_parallel_degree: int = _field(1, "tensor parallel (not implemented: must be 1)", ge=1)
+    context_parallel_degree: int = _field(1, "context parallel (not implemented: must be 1)", ge=1)
+    pipeline_parallel_degree: int = _field(1, "pipeline parallel (not implemented: must be 1)", ge=1)
+    fsdp_reshard_after_forward: str = _field("default", "FSDP2 reshard policy", choices=("default", "always", "never"))
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = _field("none", "recompute activations in backward", choices=("none", "full", "selective"))
+    selective_layer_interval: int = _field(2, "with mode = selective, checkpoint every n-th block", ge=1)
+
+
+@dataclass
+class Compile:
+    enable: bool = _field(False, "torch.compile each transformer block with fullgraph=True")
+    backend: str = _field("inductor", "torch.compile backend", choices=("inductor", "aot_eager", "eager"))
+
+
+@dataclass
+class Quantize:
+    moe: str = _field("none", "expert GEMM precision (fp8_blockwise: not implemented yet)", choices=("none", "fp8_blockwise"))
+    linear: str = _field("none", "dense linear precision (fp8_rowwise: not implemented yet)", choices=("none", "fp8_rowwise"))
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = _field(False, "save checkpoints and resume from the newest one")
+    folder: str = _field("checkpoint", "checkpoint folder, relative to job.dump_folder")
+    interval: int = _field(500, "save every this many steps (and at the last step)", ge=1)
+    keep_latest_k: int = _field(0, "keep only the newest k checkpoints; 0 keeps all", ge=0)
+    load_step: int = _field(-1, "resume from this step; -1 = the newest complete checkpoint", ge=-1)
+
+
+@dataclass
+class Metrics:
+    log_freq: int = _field(10, "print metrics every this many steps", ge=1)
+    enable_tensorboard: bool = _field(False, "also write TensorBoard scalars")
+    save_tb_folder: str = _field("tb", "TensorBoard folder, relative to job.dump_folder")
+    peak_tflops: float = _field(0.0, "device peak TFLOP/s for MFU; 0 = known GPUs' bf16 dense peak, "
+                                "else MFU is not reported", ge=0)
+    summary_start_step: int = _field(6, "first step of the closing tokens/s summary window", ge=1)
+    summary_end_step: int = _field(20, "last step of the summary window", ge=1)
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    moe: MoE = field(default_factory=MoE)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    quantize: Quantize = field(default_factory=Quantize)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+
+
+def _sections() -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(JobConfig)}
+
+
+def _section_fields(section_cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(section_cls)}
+
+
+def _field_type(section_cls: type, f: dataclasses.Field) -> type:
+    return typing.get_type_hints(section_cls)[f.name]
+
+
+def _check_value(where: str, section: str, key: str, f: dataclasses.Field, ftype: type, value: Any) -> Any:
+    """Type- and range-check one value; returns it converted (an int for a float field becomes float)."""
+    name = f"[{section}] {key}"
+    if ftype is bool:
+        ok = isinstance(value, bool)
+    elif ftype is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif ftype is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    else:
+        ok = isinstance(value, ftype)
+    if not ok:
+        raise ConfigError(f"{where}: {name} = {value!r} has the wrong type: expected {ftype.__name__}")
+    meta = f.metadata
+    if meta.get("choices") is not None and value not in meta["choices"]:
+        allowed = ", ".join(repr(c) for c in meta["choices"])
+        raise ConfigError(f"{where}: {name} = {value!r} is not allowed; choose one of {allowed}")
+    for bound, test, text in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
+                              ("le", lambda v, b: v <= b, "<=")):
+        if meta.get(bound) is not None and not test(value, meta[bound]):
+            raise ConfigError(f"{where}: {name} = {value!r} is out of range: must be {text} {meta[bound]}")
+    return value
+
+
+def _apply_section(cfg: JobConfig, where: str, section: str, values: dict[str, Any]) -> None:
+    sections = _sections()
+    if section not in sections:
+        raise ConfigError(f"{where}: unknown section [{section}]; allowed sections: {', '.join(sections)}")
+    obj = getattr(cfg, section)
+    fields = _section_fields(type(obj))
+    for key, value in values.items():
+        if key not in fields:
+            raise ConfigError(f"{where}: unknown key {key!r} in [{section}]; allowed keys: {', '.join(fields)}")
+        f = fields[key]
+        setattr(obj, key, _check_value(where, section, key, f, _field_type(type(obj), f), value))
+
+
+def _parse_cli_value(ftype: type, text: str, flag: str) -> Any:
+    try:
+        if ftype is bool:
+            lowered = text.lower()
+            if lowered in ("true", "1", "yes"):
+                return True
+            if lowered in ("false", "0", "no"):
+                return False
+            raise ValueError
+        if ftype is int:
+            return int(text)
+        if ftype is float:
+            return float(text)
+        return text
+    except ValueError:
+        raise ConfigError(f"command line: {flag} {text!r} is not a valid {ftype.__name__}") from None
+
+
+def _parse_overrides(args: list[str]) -> list[tuple[str, str, Any]]:
+    """``--section.key value`` pairs -> (section, key, typed value), type taken from the dataclass."""
+    sections = _sections()
+    out = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(f"command line: unexpected argument {arg!r}; overrides look like --training.steps 20")
+        flag, eq, inline = arg[2:].partition("=")
+        section, _, key = flag.partition(".")
+        if section not in sections:
+            raise ConfigError(f"command line: unknown section in {arg!r}; allowed sections: {', '.join(sections)}")
+        section_cls = sections[section].default_factory
+        fields = _section_fields(section_cls)
+        if key not in fields:
+            raise ConfigError(f"command line: unknown key {key!r} in [{section}]; allowed keys: {', '.join(fields)}")
+        ftype = _field_type(section_cls, fields[key])
+        if eq:
+            text = inline
+            i += 1
+        elif ftype is bool and (i + 1 == len(args) or args[i + 1].startswith("--")):
+            text = "true"
+            i += 1
+        elif i + 1 < len(args):
+            text = args[i + 1]
+            i += 2
+        else:
+            raise ConfigError(f"command line: {arg} needs a value")
+        out.append((section, key, _parse_cli_value(ftype, text, "--" + flag)))
+    return out
+
+
+def load_config(config_path: str | None, overrides: list[str] | None = None) -> JobConfig:
+    """Defaults, then the TOML file, then command-line overrides; every value checked on the way."""
+    cfg = JobConfig()
+    if config_path is not None:
+        path = Path(config_path)
+        if not path.is_file():
+            raise ConfigError(f"config file {config_path!r} does not exist (pass --config train_configs/<name>.toml)")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{config_path}: not valid TOML: {e}") from None
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"{config_path}: top-level key {section!r} must be a [section]; "
+                                  f"allowed sections: {', '.join(_sections())}")
+            _apply_section(cfg, config_path, section, values)
+    for section, key, value in _parse_overrides(overrides or []):
+        _apply_section(cfg, "command line", section, {key: value})
+    _check_consistency(cfg, config_path or "command line")
+    return cfg
+
+
+def _check_consistency(cfg: JobConfig, where: str) -> None:
+    """Checks that involve more than one field."""
+    m = cfg.metrics
+    if m.summary_end_step < m.summary_start_step:
+        raise ConfigError(f"{where}: [metrics] summary_end_step ({m.summary_end_step}) must be >= "
+                          f"summary_start_step ({m.summary_start_step})")
+    t = cfg.training
+    if t.global_batch_size not in (-1,) and t.global_batch_size < 1:
+        raise ConfigError(f"{where}: [training] global_batch_size must be -1 or >= 1, got {t.global_batch_size}")
+    from kernels import available_moe_backends
+
+    if cfg.moe.backend not in available_moe_backends():
+        raise ConfigError(f"{where}: [moe] backend = {cfg.moe.backend!r} is not a registered MoE backend; "
+                          f"choose one of {', '.join(available_moe_backends())}")
+
+
+def config_help() -> str:
+    lines = ["usage: train.py --config FILE.toml [--section.key VALUE ...]", "",
+             "Every key below can be set in the TOML file or overridden on the command line.", ""]
+    for section, sf in _sections().items():
+        section_cls = sf.default_factory
+        lines.append(f"[{section}]")
+        for f in dataclasses.fields(section_cls):
+            ftype = _field_type(section_cls, f)
+            extra = ""
+            if f.metadata.get("choices"):
+                extra = f" (one of: {', '.join(map(str, f.metadata['choices']))})"
+            lines.append(f"  --{section}.{f.name} {ftype.__name__} = {f.default!r}{extra}")
+            lines.append(f"      {f.metadata['help']}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str]) -> JobConfig | None:
+    """Command line -> JobConfig; returns None after printing help for ``--help``."""
+    if "--help" in argv or "-h" in argv:
+        print(config_help())
+        return None
+    config_path = None
+    rest = []
+    i = 0
+    while i < len(argv):
+        if argv[i] == "--config":
+            if i + 1 == len(argv):
+                raise ConfigError("command line: --config needs a file path")
+            config_path = argv[i + 1]
+            i += 2
+        elif argv[i].startswith("--config="):
+            config_path = argv[i].split("=", 1)[1]
+            i += 1
+        else:
+            rest.append(argv[i])
+            i += 1
+    return load_config(config_path, rest)
+
+
+def to_dict(cfg: JobConfig) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(cfg)
+
+
+def config_markdown() -> str:
+    """The config reference as markdown tables, as the README shows it (a test keeps them equal)."""
+    out = []
+    for section, sf in _sections().items():
+        section_cls = sf.default_factory
+        out += [f"**[{section}]**", "", "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+        for f in dataclasses.fields(section_cls):
+            meaning = f.metadata["help"].replace("|", "\\|")
+            if f.metadata.get("choices"):
+                meaning += " (one of: " + ", ".join(f"`{c}`" for c in f.metadata["choices"]) + ")"
+            out.append(f"| `{f.name}` | {_field_type(section_cls, f).__name__} | `{f.default!r}` | {meaning} |")
+        out.append("")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(config_markdown())

@@ -1,0 +1,118 @@
+"""Throughput, FLOPs, MFU and memory: printed every ``log_freq`` steps, optionally to TensorBoard,
+and summarised over a step window at the end of the run."""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from components.config import Metrics as MetricsConfig
+from models.qwen3.args import Qwen3MoEArgs
+from models.qwen3.model import count_params
+
+# Dense bf16 peak (TFLOP/s) of GPUs we know; MFU is reported against this unless overridden.
+_PEAK_BF16_TFLOPS = {"H100": 989.5, "H200": 989.5, "H800": 989.5, "A100": 312.0}
+
+
+def flops_per_token(args: Qwen3MoEArgs, seq_len: int) -> int:
+    """Training FLOPs per token (forward + backward, no recompute): 6 x the active parameters that
+    do matmuls (the embedding lookup does none) plus causal-free attention 12 x layers x heads x
+    head_dim x seq_len, TorchTitan's convention, so figures compare with its MFU."""
+    _, active = count_params(args)
+    embedding = args.vocab_size * args.dim
+    return 6 * (active - embedding) + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+
+
+def device_peak_tflops(device: torch.device, configured: float) -> float | None:
+    if configured > 0:
+        return configured
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peak in _PEAK_BF16_TFLOPS.items():
+            if key in name:
+                return peak
+    return None
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    # ru_maxrss is KiB on Linux: the process's peak resident memory.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+@dataclass
+class MetricsLogger:
+    cfg: MetricsConfig
+    device: torch.device
+    flops_per_token: int
+    tokens_per_step: int  # per device
+    log_dir: str | None = None
+    step_times: dict[int, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.peak_tflops = device_peak_tflops(self.device, self.cfg.peak_tflops)
+        self.writer = None
+        if self.cfg.enable_tensorboard and self.log_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            os.makedirs(self.log_dir, exist_ok=True)
+            self.writer = SummaryWriter(self.log_dir)
+        self._last = time.perf_counter()
+
+    def start(self) -> None:
+        """Mark the start of the first timed step (after model build and compile warm-up setup)."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._last = time.perf_counter()
+
+    def step_done(self, step: int) -> float:
+        """Record the wall time of ``step``; the caller has synchronised with the device."""
+        now = time.perf_counter()
+        dt, self._last = now - self._last, now
+        self.step_times[step] = dt
+        return dt
+
+    def log(self, step: int, loss: float, aux_loss: float, grad_norm: float, lr: float) -> str:
+        dt = self.step_times[step]
+        tps = self.tokens_per_step / dt
+        tflops = tps * self.flops_per_token / 1e12
+        mfu = f"{100 * tflops / self.peak_tflops:.1f}%" if self.peak_tflops else "n/a"
+        mem = peak_memory_gib(self.device)
+        line = (f"step: {step:5d}  loss: {loss:8.4f}  aux_loss: {aux_loss:.4f}  grad_norm: {grad_norm:7.4f}  "
+                f"lr: {lr:.2e}  memory: {mem:6.2f}GiB  tps: {tps:,.0f}  step_time: {dt:.3f}s  "
+                f"tflops: {tflops:.2f}  mfu: {mfu}")
+        if self.writer is not None:
+            for key, value in (("loss", loss), ("aux_loss", aux_loss), ("grad_norm", grad_norm), ("lr", lr),
+                               ("tokens_per_second", tps), ("tflops", tflops), ("memory_gib", mem)):
+                self.writer.add_scalar(key, value, step)
+        return line
+
+    def summary(self) -> str:
+        """Mean over the configured step window; a run too short for it falls back to every step
+        after the first (which carries compile and allocator warm-up), and says so."""
+        lo, hi = self.cfg.summary_start_step, self.cfg.summary_end_step
+        steps = [s for s in sorted(self.step_times) if lo <= s <= hi]
+        note = ""
+        if not steps:
+            ran = sorted(self.step_times)
+            steps = ran[1:] or ran
+            note = f" (window {lo}-{hi} not reached)"
+        if not steps:
+            return "summary: no steps were run"
+        window = [self.step_times[s] for s in steps]
+        mean_dt = sum(window) / len(window)
+        mean_tps = sum(self.tokens_per_step / t for t in window) / len(window)
+        tflops = mean_tps * self.flops_per_token / 1e12
+        mfu = f"{100 * tflops / self.peak_tflops:.1f}%" if self.peak_tflops else "n/a"
+        return (f"summary: steps {steps[0]}-{steps[-1]}{note}: mean tokens/s per device {mean_tps:,.0f}  "
+                f"mean step time {mean_dt:.3f}s  tflops {tflops:.2f}  mfu {mfu}  "
+                f"peak memory {peak_memory_gib(self.device):.2f}GiB")
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

@@ -1,0 +1,69 @@
+"""The ``grouped_mm`` MoE backend: TorchTitan's method, in plain PyTorch ops.
+
+Dispatch: sort the T*K (token, k) slots by expert and gather their rows of x (N x D, a copy).
+Experts: ``torch._grouped_mm`` for gate, up and down with per-expert row offsets, SwiGLU between.
+Combine: put the rows back in (token, k) order, weight them in float32 and sum over k.
+
+Every shape is static (no ``.item()``, no data-dependent sizes), so it compiles with
+``fullgraph=True``. On CPU, where an older torch has no ``_grouped_mm`` kernel, a loop over the
+experts stands in (it reads the offsets on the host, which is harmless there).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels import register_moe_backend
+
+
+def _probe_cpu_grouped_mm() -> bool:
+    try:
+        torch._grouped_mm(torch.ones(2, 2), torch.ones(1, 2, 2), offs=torch.tensor([2], dtype=torch.int32))
+        return True
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+
+
+# Probed once at import, so that torch.compile sees a constant rather than tracing the probe.
+_CPU_HAS_GROUPED_MM = _probe_cpu_grouped_mm()
+
+
+def _grouped_mm(a_ND: torch.Tensor, b_EKM: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """Rows [offs[e-1], offs[e]) of a times b[e]: (N, K) x (E, K, M) -> (N, M)."""
+    if a_ND.is_cuda or _CPU_HAS_GROUPED_MM:
+        return torch._grouped_mm(a_ND, b_EKM, offs=offs_E)
+    ends = offs_E.tolist()
+    starts = [0] + ends[:-1]
+    return torch.cat([a_ND[s:e] @ b_EKM[i] for i, (s, e) in enumerate(zip(starts, ends))])
+
+
+def route_by_expert(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slot order sorted by expert (stable) N, cumulative row offsets per expert E as int32)."""
+    ids_N = topk_ids_TK.reshape(-1)
+    sorted_slots_N = torch.argsort(ids_N, stable=True)
+    counts_E = torch.zeros(num_experts, dtype=torch.int32, device=ids_N.device)
+    counts_E = counts_E.scatter_add(0, ids_N, torch.ones_like(ids_N, dtype=torch.int32))
+    return sorted_slots_N, torch.cumsum(counts_E, 0, dtype=torch.int32)
+
+
+@register_moe_backend("grouped_mm")
+def moe_grouped_mm(
+    x_TD: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    w1_EFD: torch.Tensor,
+    w3_EFD: torch.Tensor,
+    w2_EDF: torch.Tensor,
+) -> torch.Tensor:
+    T, K = topk_ids_TK.shape
+    sorted_slots_N, offs_E = route_by_expert(topk_ids_TK, w1_EFD.shape[0])
+    x_ND = x_TD[sorted_slots_N // K]
+    gate_NF = _grouped_mm(x_ND, w1_EFD.transpose(-2, -1), offs_E)
+    up_NF = _grouped_mm(x_ND, w3_EFD.transpose(-2, -1), offs_E)
+    out_ND = _grouped_mm(F.silu(gate_NF) * up_NF, w2_EDF.transpose(-2, -1), offs_E)
+    # Un-sort to (token, k) order with a gather by the inverse permutation, then a deterministic
+    # float32 weighted sum over k (no scatter-add atomics).
+    out_TKD = out_ND[torch.argsort(sorted_slots_N)].view(T, K, -1)
+    y_TD = (out_TKD.float() * topk_weights_TK.float().unsqueeze(-1)).sum(dim=1)
+    return y_TD.to(x_TD.dtype)

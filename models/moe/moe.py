@@ -1,0 +1,68 @@
+"""The MoE block of Qwen3: router -> routed experts (a swappable backend) -> combined output.
+
+Dispatch (grouping the (token, k) slots by expert), the expert SwiGLU GEMMs and the weighted
+combine all happen inside the backend chosen by ``[moe] backend`` (see ``kernels/__init__.py``):
+``torch`` (the reference loop), ``grouped_mm`` (TorchTitan's method) or ``mega`` (fused Triton).
+Qwen3 has no shared experts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from kernels import get_moe_backend
+from models.moe.router import TokenChoiceTopKRouter
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts in TorchTitan's layout: w1, w3 (E, F, D) and w2 (E, D, F)."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, backend: str):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.backend_name = backend
+        self.backend = get_moe_backend(backend)
+
+    def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = self.w1, self.w2, self.w3
+        if torch.is_autocast_enabled(x_TD.device.type):
+            # Autocast does not see through custom kernels: hand every backend the compute dtype.
+            dtype = torch.get_autocast_dtype(x_TD.device.type)
+            x_TD, w1, w2, w3 = x_TD.to(dtype), w1.to(dtype), w2.to(dtype), w3.to(dtype)
+        return self.backend(x_TD, topk_ids_TK, topk_weights_TK, w1, w3, w2)
+
+    def reset_parameters(self, init_std: float, out_init_std: float) -> None:
+        nn.init.trunc_normal_(self.w1, mean=0.0, std=init_std)
+        nn.init.trunc_normal_(self.w3, mean=0.0, std=out_init_std)
+        nn.init.trunc_normal_(self.w2, mean=0.0, std=out_init_std)
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, norm_topk_prob: bool,
+                 backend: str, use_expert_bias: bool):
+        super().__init__()
+        self.router = TokenChoiceTopKRouter(dim, num_experts, top_k, norm_topk_prob, use_expert_bias)
+        self.experts = GroupedExperts(dim, hidden_dim, num_experts, backend)
+
+    def forward(self, x_BLD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (y_BLD, router_stats_2E): row 0 the routed-slot counts per expert (no gradient),
+        row 1 the summed router probabilities (for the auxiliary loss)."""
+        B, L, D = x_BLD.shape
+        x_TD = x_BLD.reshape(B * L, D)
+        topk_ids_TK, topk_weights_TK, tokens_per_expert_E, probs_sum_E = self.router(x_TD)
+        y_TD = self.experts(x_TD, topk_ids_TK, topk_weights_TK)
+        return y_TD.reshape(B, L, D), torch.stack([tokens_per_expert_E, probs_sum_E])
+
+    def reset_parameters(self, init_std: float, out_init_std: float) -> None:
+        self.router.reset_parameters(init_std)
+        self.experts.reset_parameters(init_std, out_init_std)
+
+
+def depth_init_std(layer_id: int, base_std: float = 0.02) -> float:
+    """Output projections shrink with depth so the residual stream's variance stays bounded."""
+    return base_std / math.sqrt(2 * (layer_id + 1))

@@ -1,0 +1,82 @@
+"""Config: TOML + command line onto typed dataclasses, and one clear message per mistake."""
+
+import pytest
+
+from components.config import ConfigError, config_help, load_config, parse_args
+
+
+def write(tmp_path, text):
+    p = tmp_path / "job.toml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_shipped_configs_parse():
+    for name in ("debug_model", "qwen3_30b_a3b", "qwen3_235b_a22b", "qwen3_30b_a3b_1gpu"):
+        cfg = load_config(f"train_configs/{name}.toml")
+        assert cfg.model.flavor in ("debug", "qwen3_30b_a3b", "qwen3_235b_a22b")
+
+
+def test_toml_then_overrides(tmp_path):
+    path = write(tmp_path, "[training]\nsteps = 7\nseq_len = 64\n[optimizer]\nlr = 1\n")
+    cfg = parse_args(["--config", path, "--training.steps", "20", "--compile.enable", "--optimizer.eps=1e-6",
+                      "--moe.backend", "torch"])
+    assert cfg.training.steps == 20 and cfg.training.seq_len == 64
+    assert cfg.optimizer.lr == 1.0 and isinstance(cfg.optimizer.lr, float)  # int accepted for a float
+    assert cfg.compile.enable is True and cfg.optimizer.eps == 1e-6 and cfg.moe.backend == "torch"
+    assert parse_args(["--config", path, "--compile.enable", "false"]).compile.enable is False
+
+
+@pytest.mark.parametrize("text,pattern", [
+    ("[trainig]\nsteps = 1\n", r"job.toml: unknown section \[trainig\]; allowed sections: job, model"),
+    ("[training]\nstepz = 1\n", r"job.toml: unknown key 'stepz' in \[training\]; allowed keys: .*steps"),
+    ("[training]\nsteps = \"ten\"\n", r"job.toml: \[training\] steps = 'ten' has the wrong type: expected int"),
+    ("[training]\nsteps = 1.5\n", r"\[training\] steps = 1.5 has the wrong type: expected int"),
+    ("[compile]\nenable = 1\n", r"\[compile\] enable = 1 has the wrong type: expected bool"),
+    ("[training]\nsteps = 0\n", r"job.toml: \[training\] steps = 0 is out of range: must be >= 1"),
+    ("[optimizer]\nbeta2 = 1.5\n", r"\[optimizer\] beta2 = 1.5 is out of range: must be <= 1"),
+    ("[activation_checkpoint]\nmode = \"most\"\n", r"\[activation_checkpoint\] mode = 'most' is not allowed; "
+                                                    r"choose one of 'none', 'full', 'selective'"),
+    ("[moe]\nbackend = \"fast\"\n", r"\[moe\] backend = 'fast' is not a registered MoE backend; choose one of "
+                                     r"grouped_mm, mega, torch"),
+    ("steps = 3\n", r"top-level key 'steps' must be a \[section\]"),
+    ("[training\n", r"not valid TOML"),
+    ("[metrics]\nsummary_start_step = 10\nsummary_end_step = 5\n", r"summary_end_step \(5\) must be >= "),
+])
+def test_bad_toml(tmp_path, text, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(write(tmp_path, text))
+
+
+@pytest.mark.parametrize("args,pattern", [
+    (["--training.stepz", "3"], r"command line: unknown key 'stepz' in \[training\]"),
+    (["--trainig.steps", "3"], r"command line: unknown section in '--trainig.steps'"),
+    (["--training.steps", "x"], r"command line: --training.steps 'x' is not a valid int"),
+    (["--training.steps"], r"--training.steps needs a value"),
+    (["--training.steps", "-2"], r"command line: \[training\] steps = -2 is out of range"),
+    (["steps"], r"unexpected argument 'steps'"),
+    (["--config", "nope.toml"], r"config file 'nope.toml' does not exist"),
+])
+def test_bad_command_line(args, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        parse_args(args)
+
+
+def test_help_lists_sections_fields_and_defaults(capsys):
+    assert parse_args(["--help"]) is None
+    out = capsys.readouterr().out
+    for section in ("[job]", "[model]", "[moe]", "[training]", "[optimizer]", "[lr_scheduler]", "[parallelism]",
+                    "[activation_checkpoint]", "[compile]", "[quantize]", "[checkpoint]", "[metrics]"):
+        assert section in out
+    assert "--training.steps int = 10000" in out and "--moe.backend str = 'grouped_mm'" in out
+    assert out == config_help() + "\n"
+
+
+def test_readme_config_reference_is_current():
+    from pathlib import Path
+
+    from components.config import config_markdown
+
+    readme = Path("README.md").read_text()
+    block = readme.split("<!-- config-reference -->\n", 1)[1].split("<!-- /config-reference -->", 1)[0]
+    assert block.strip() == config_markdown().strip(), "regenerate with: python -m components.config"

@@ -1,0 +1,183 @@
+"""The training loop end to end on the shipped corpus, on CPU."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from components.config import ConfigError, parse_args
+from train import NonFiniteLossError, Trainer, main
+
+SMALL = ["--model.n_layers", "2", "--training.seq_len", "64", "--training.local_batch_size", "4",
+         "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2"]
+
+
+def make_trainer(tmp_path, *extra):
+    cfg = parse_args(["--config", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path), *SMALL,
+                      *extra])
+    return Trainer(cfg)
+
+
+def run_losses(trainer):
+    losses = []
+    data_iter = iter(trainer.dataloader)
+    trainer.step = 0
+    while trainer.step < trainer.cfg.training.steps:
+        trainer.step += 1
+        losses.append(trainer.train_step(data_iter)[0])
+    return losses
+
+
+def test_readme_command_runs_and_prints_summary():
+    out = subprocess.run([sys.executable, "train.py", "--config", "train_configs/debug_model.toml",
+                          "--training.steps", "5", "--training.seq_len", "64"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "step:     5" in out.stdout
+    assert "summary: steps 2-5 (window 6-20 not reached): mean tokens/s per device" in out.stdout
+
+
+def test_loss_falls_on_shipped_corpus(tmp_path):
+    trainer = make_trainer(tmp_path, "--training.steps", "40", "--training.seq_len", "128",
+                           "--lr_scheduler.warmup_steps", "5")
+    losses = run_losses(trainer)
+    assert losses[0] > 7.0, losses[0]
+    assert sum(losses[-5:]) / 5 < 4.5, losses
+
+
+def test_config_error_exits_before_model_is_built(capsys):
+    assert main(["--config", "train_configs/debug_model.toml", "--training.stepz", "3"]) == 2
+    assert "unknown key 'stepz' in [training]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override,pattern", [
+    (["--quantize.moe", "fp8_blockwise"], "FP8 expert GEMMs are not implemented yet"),
+    (["--parallelism.expert_parallel_degree", "2"], "larger than the data-parallel shard degree"),
+    (["--parallelism.tensor_parallel_degree", "2"], "tensor_parallel_degree = 2: not implemented"),
+    (["--training.seq_len", "5000"], "exceeds the model's max_seq_len"),
+    (["--training.global_batch_size", "10"], "must be a multiple of local_batch_size"),
+])
+def test_unsupported_settings_stop_at_start(tmp_path, override, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        make_trainer(tmp_path, *override)
+
+
+def test_reference_configs_fail_clearly(capsys):
+    """The 32/128-GPU reference setups need FP8 and EP, which have not landed: a clear stop."""
+    for name in ("qwen3_30b_a3b", "qwen3_235b_a22b"):
+        assert main(["--config", f"train_configs/{name}.toml"]) == 2
+        assert "not implemented yet" in capsys.readouterr().err
+
+
+def test_missing_dataset_is_reported(tmp_path, capsys):
+    assert main(["--config", "train_configs/debug_model.toml", "--training.dataset_path", str(tmp_path / "nope")]) == 2
+    assert "nope" in capsys.readouterr().err
+
+
+def test_non_finite_loss_stops_without_update(tmp_path):
+    trainer = make_trainer(tmp_path, "--training.steps", "1")
+    with torch.no_grad():
+        trainer.model.output.weight.fill_(float("nan"))
+    before = trainer.model.layers["0"].attention.wq.weight.detach().clone()
+    with pytest.raises(NonFiniteLossError, match="step 1: the loss is nan"):
+        run_losses(trainer)
+    assert torch.equal(before, trainer.model.layers["0"].attention.wq.weight)
+
+
+def test_gradient_accumulation_matches_large_batch(tmp_path):
+    """Two micro-batches of 4 give the gradient of one batch of the same 8 samples. (The aux loss is
+    a product of batch means, so it is switched off: it is not additive over micro-batches.)"""
+    big = make_trainer(tmp_path, "--training.steps", "1", "--training.local_batch_size", "8",
+                       "--moe.load_balance", "none")
+    acc = make_trainer(tmp_path, "--training.steps", "1", "--training.local_batch_size", "4",
+                       "--training.global_batch_size", "8", "--moe.load_balance", "none")
+    assert acc.grad_accum_steps == 2
+    grads = []
+    for trainer in (big, acc):
+        recorded = {}
+        trainer.optimizer.step = lambda t=trainer, r=recorded: r.update(
+            {n: p.grad.clone() for n, p in t.model.named_parameters()})
+        loss = run_losses(trainer)[0]
+        grads.append((loss, recorded))
+    assert math.isclose(grads[0][0], grads[1][0], rel_tol=1e-5)
+    for name, g in grads[0][1].items():
+        torch.testing.assert_close(g, grads[1][1][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("extra", [["--activation_checkpoint.mode", "full"],
+                                   ["--activation_checkpoint.mode", "selective"],
+                                   ["--compile.enable", "--compile.backend", "aot_eager"],
+                                   ["--activation_checkpoint.mode", "full", "--compile.enable",
+                                    "--compile.backend", "aot_eager"]])
+def test_ac_and_compile_do_not_change_training(tmp_path, extra):
+    plain = run_losses(make_trainer(tmp_path, "--training.steps", "3"))
+    other = run_losses(make_trainer(tmp_path, "--training.steps", "3", *extra))
+    for a, b in zip(plain, other):
+        assert math.isclose(a, b, rel_tol=1e-4), (plain, other)
+
+
+def test_expert_bias_is_updated(tmp_path):
+    trainer = make_trainer(tmp_path, "--training.steps", "3", "--moe.load_balance", "expert_bias")
+    biases = trainer.model.expert_biases()
+    assert len(biases) == 2 and all(torch.count_nonzero(b) == 0 for b in biases)
+    run_losses(trainer)
+    assert all(torch.count_nonzero(b) > 0 for b in biases)
+    assert all(b.abs().max() <= 3 * trainer.cfg.moe.bias_update_rate + 1e-9 for b in biases)
+
+
+def test_checkpoint_resume_gives_same_losses(tmp_path):
+    common = ["--checkpoint.enable", "--checkpoint.interval", "2", "--training.steps", "4"]
+    ref = run_losses(make_trainer(tmp_path / "ref", "--training.steps", "4"))
+
+    # A run interrupted after its step-2 checkpoint, then resumed by a new trainer.
+    first = make_trainer(tmp_path / "run", *common)
+    data_iter = iter(first.dataloader)
+    for first.step in (1, 2):
+        first.train_step(data_iter)
+    first.checkpoint.save(2)
+    resumed = make_trainer(tmp_path / "run", *common)
+    resumed.step = resumed.checkpoint.maybe_load()
+    assert resumed.step == 2
+    data_iter = iter(resumed.dataloader)
+    losses = []
+    for resumed.step in (3, 4):
+        losses.append(resumed.train_step(data_iter)[0])
+    assert losses == pytest.approx(ref[2:], rel=1e-6)
+
+
+def test_checkpoint_interval_and_keep_latest(tmp_path):
+    trainer = make_trainer(tmp_path, "--checkpoint.enable", "--checkpoint.interval", "2", "--training.steps", "5",
+                           "--checkpoint.keep_latest_k", "2")
+    trainer.train()
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-4", "step-5"]
+
+
+def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    import components.checkpoint as ckpt
+
+    trainer = make_trainer(tmp_path, "--checkpoint.enable", "--training.steps", "4")
+    data_iter = iter(trainer.dataloader)
+    trainer.step = 1
+    trainer.train_step(data_iter)
+    trainer.checkpoint.save(1)
+
+    def exploding_save(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt.dcp, "save", exploding_save)
+    with pytest.raises(OSError, match="disk full"):
+        trainer.checkpoint.save(2)
+    assert sorted(ckpt.complete_checkpoints(tmp_path / "checkpoint")) == [1]
+    monkeypatch.undo()
+    resumed = make_trainer(tmp_path, "--checkpoint.enable", "--training.steps", "4")
+    assert resumed.checkpoint.maybe_load() == 1
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path, capsys):
+    trainer = make_trainer(tmp_path, "--checkpoint.enable", "--training.steps", "1")
+    trainer.checkpoint.save(1)
+    other = make_trainer(tmp_path, "--checkpoint.enable", "--training.steps", "2", "--model.n_layers", "3")
+    with pytest.raises(Exception, match="is of another model: n_layers saved 2 vs configured 3"):
+        other.checkpoint.maybe_load()

@@ -1,0 +1,208 @@
+"""Train a Qwen3-MoE model from a TOML config.
+
+    python train.py --config train_configs/debug_model.toml [--section.key value ...]
+    python train.py --help
+
+The loop reads like the algorithm: build, parallelize, then per step: batch, forward, loss,
+backward, clip, optimizer step, log, checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from components.checkpoint import CheckpointError, CheckpointManager, model_identity
+from components.config import ConfigError, JobConfig, parse_args
+from components.dataloader import build_dataloader
+from components.metrics import MetricsLogger, flops_per_token
+from components.optimizer import build_lr_scheduler, build_optimizer
+from components.tokenizer import build_tokenizer
+from models.moe.router import update_expert_bias
+from models.qwen3.args import get_model_args
+from models.qwen3.model import Qwen3MoE, count_params
+from parallelisms.activation_checkpoint import apply_ac
+from parallelisms.compile import apply_compile
+from parallelisms.parallel_dims import build_parallel_dims
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+def check_implemented(cfg: JobConfig) -> None:
+    """Settings whose code has not landed yet stop the run here instead of being ignored."""
+    if cfg.quantize.moe != "none":
+        raise ConfigError(f"[quantize] moe = {cfg.quantize.moe!r}: FP8 expert GEMMs are not implemented yet; "
+                          "set it to \"none\" (bf16)")
+    if cfg.quantize.linear != "none":
+        raise ConfigError(f"[quantize] linear = {cfg.quantize.linear!r}: FP8 dense linears are not implemented yet; "
+                          "set it to \"none\" (bf16)")
+
+
+def resolve_device(choice: str) -> torch.device:
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("[training] device = \"cuda\" but no CUDA device is available; use \"auto\" or \"cpu\"")
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(choice)
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        t, m = cfg.training, cfg.model
+        # Everything that can be wrong with the config or the inputs is checked before the model exists.
+        check_implemented(cfg)
+        self.model_args = get_model_args(m.flavor, n_layers=m.n_layers, rope_theta=m.rope_theta)
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.parallel_dims = build_parallel_dims(cfg.parallelism, world_size, self.model_args.num_experts)
+        self.device = resolve_device(t.device)
+        if t.seq_len > self.model_args.max_seq_len:
+            raise ConfigError(f"[training] seq_len = {t.seq_len} exceeds the model's max_seq_len "
+                              f"{self.model_args.max_seq_len}")
+        dp = self.parallel_dims.dp_size
+        global_bs = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dp
+        if global_bs % (t.local_batch_size * dp):
+            raise ConfigError(f"[training] global_batch_size = {global_bs} must be a multiple of local_batch_size "
+                              f"({t.local_batch_size}) x data-parallel degree ({dp})")
+        self.grad_accum_steps = global_bs // (t.local_batch_size * dp)
+
+        self.tokenizer = build_tokenizer(m.tokenizer_path)
+        if self.tokenizer.vocab_size > self.model_args.vocab_size:
+            raise ConfigError(f"[model] tokenizer_path: the tokenizer has {self.tokenizer.vocab_size} tokens, more "
+                              f"than the {m.flavor} model's vocab_size {self.model_args.vocab_size}")
+        self.dataloader = build_dataloader(t.dataset_path, self.tokenizer, t.seq_len, t.local_batch_size,
+                                           dp_rank=0, dp_world_size=dp, seed=t.seed)
+
+        seed_everything(t.seed, t.deterministic)
+        with torch.device("meta"):
+            model = Qwen3MoE(self.model_args, moe_backend=cfg.moe.backend,
+                             use_expert_bias=cfg.moe.load_balance == "expert_bias")
+        apply_ac(model, cfg.activation_checkpoint)
+        apply_compile(model, cfg.compile)
+        model.to_empty(device=self.device)
+        model.init_weights()
+        self.model = model
+
+        self.optimizer = build_optimizer(model, cfg.optimizer, self.device.type)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, t.steps, cfg.lr_scheduler)
+        self.checkpoint = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, model, self.optimizer,
+                                            self.lr_scheduler, self.dataloader,
+                                            model_identity(self.model_args, m.flavor))
+        self.metrics = MetricsLogger(
+            cfg.metrics, self.device, flops_per_token(self.model_args, t.seq_len),
+            tokens_per_step=t.local_batch_size * t.seq_len * self.grad_accum_steps,
+            log_dir=os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder))
+        self.amp = (torch.autocast(self.device.type, dtype=torch.bfloat16)
+                    if t.mixed_precision_param == "bfloat16" else contextlib.nullcontext())
+
+    def describe(self) -> str:
+        total, active = count_params(self.model_args)
+        a = self.model_args
+        return (f"{self.cfg.job.description}: Qwen3-MoE {self.cfg.model.flavor} ({a.n_layers} layers, dim {a.dim}, "
+                f"{a.num_experts} experts top-{a.top_k}, {total / 1e6:,.1f}M params, {active / 1e6:,.1f}M active) "
+                f"on {self.device}, MoE backend {self.cfg.moe.backend!r}, "
+                f"{self.cfg.training.mixed_precision_param}, grad accumulation {self.grad_accum_steps}")
+
+    def train_step(self, data_iter) -> tuple[float, float, float]:
+        """One optimizer step over ``grad_accum_steps`` micro-batches: (loss, aux_loss, grad_norm)."""
+        cfg = self.cfg
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        ce_sum = torch.zeros((), device=self.device)
+        aux_sum = torch.zeros((), device=self.device)
+        tokens_per_expert_LE = None
+        for _ in range(self.grad_accum_steps):
+            inputs_BL, labels_BL = next(data_iter)
+            inputs_BL, labels_BL = inputs_BL.to(self.device), labels_BL.to(self.device)
+            with self.amp:
+                logits_BLV, router_stats_L2E = self.model(inputs_BL)
+                ce = F.cross_entropy(logits_BLV.flatten(0, 1).float(), labels_BL.flatten())
+                aux = self.model.aux_loss(router_stats_L2E, inputs_BL.numel())
+            loss = ce
+            if cfg.moe.load_balance == "aux_loss" and cfg.moe.aux_loss_coef > 0:
+                loss = ce + cfg.moe.aux_loss_coef * aux
+            (loss / self.grad_accum_steps).backward()
+            ce_sum += ce.detach()
+            aux_sum += aux.detach()
+            counts = router_stats_L2E[:, 0].detach()
+            tokens_per_expert_LE = counts if tokens_per_expert_LE is None else tokens_per_expert_LE + counts
+
+        max_norm = cfg.training.max_norm if cfg.training.max_norm > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=self.device.type == "cuda")
+        loss_value = ce_sum.item() / self.grad_accum_steps
+        if not math.isfinite(loss_value) or not math.isfinite(grad_norm.item()):
+            raise NonFiniteLossError(
+                f"step {self.step}: the loss is {loss_value} and the gradient norm {grad_norm.item()}: training "
+                "diverged, so it stops before the optimizer applies the update (no checkpoint is written). "
+                "Lower [optimizer] lr, raise [lr_scheduler] warmup_steps, or resume from the last checkpoint.")
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if cfg.moe.load_balance == "expert_bias":
+            for bias_E, counts_E in zip(self.model.expert_biases(), tokens_per_expert_LE):
+                update_expert_bias(bias_E, counts_E, cfg.moe.bias_update_rate)
+        return loss_value, aux_sum.item() / self.grad_accum_steps, grad_norm.item()
+
+    def train(self) -> None:
+        t = self.cfg.training
+        print(self.describe(), flush=True)
+        self.step = self.checkpoint.maybe_load()
+        if self.step:
+            print(f"resumed from the checkpoint of step {self.step}", flush=True)
+        data_iter = iter(self.dataloader)
+        self.metrics.start()
+        while self.step < t.steps:
+            self.step += 1
+            lr = self.optimizer.param_groups[0]["lr"]
+            loss, aux, grad_norm = self.train_step(data_iter)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.metrics.step_done(self.step)
+            if self.step == 1 or self.step % self.cfg.metrics.log_freq == 0 or self.step == t.steps:
+                print(self.metrics.log(self.step, loss, aux, grad_norm, lr), flush=True)
+            if self.checkpoint.should_save(self.step, t.steps):
+                path = self.checkpoint.save(self.step)
+                print(f"saved checkpoint {path}", flush=True)
+        print(self.metrics.summary(), flush=True)
+        self.metrics.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        cfg = parse_args(argv)
+        if cfg is None:
+            return 0
+        trainer = Trainer(cfg)
+        start = time.perf_counter()
+        trainer.train()
+        print(f"done in {time.perf_counter() - start:.1f}s", flush=True)
+    except (ConfigError, FileNotFoundError, CheckpointError, NotImplementedError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except NonFiniteLossError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
