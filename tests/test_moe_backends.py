@@ -112,6 +112,7 @@ def test_grouped_mm_bf16_cuda(T, D, F, E, K, kind):
     ref_y, ref_grads = run_with_grads(moe_reference, x, ids, w, w1, w3, w2, dy, torch.float64)
     y, grads = run_with_grads(kernels.get_moe_backend("grouped_mm"), x, ids, w, w1, w3, w2, dy, torch.bfloat16)
     assert y.dtype == torch.bfloat16
-    torch.testing.assert_close(y.double(), ref_y, rtol=2e-2, atol=2e-2)
-    for g, rg in zip(grads, ref_grads):
-        torch.testing.assert_close(g.double(), rg, rtol=3e-2, atol=3e-2)
+    # bf16 rounds each element by up to 2^-8 relative: compare whole tensors by relative norm.
+    for name, got, want in zip(["y", "dx", "dtopk_weights", "dw1", "dw3", "dw2"], [y, *grads], [ref_y, *ref_grads]):
+        rel = ((got.double() - want).norm() / want.norm()).item()
+        assert rel < 1e-2, f"{name}: relative error {rel:.2e}"
