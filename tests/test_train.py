@@ -181,3 +181,14 @@ def test_checkpoint_of_another_model_is_refused(tmp_path, capsys):
     other = make_trainer(tmp_path, "--checkpoint.enable", "--training.steps", "2", "--model.n_layers", "3")
     with pytest.raises(Exception, match="is of another model: n_layers saved 2 vs configured 3"):
         other.checkpoint.maybe_load()
+
+
+def test_tensorboard_scalars_are_written(tmp_path):
+    trainer = make_trainer(tmp_path, "--training.steps", "2", "--metrics.enable_tensorboard")
+    trainer.train()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert {"loss", "grad_norm", "lr", "tokens_per_second", "tflops"} <= set(acc.Tags()["scalars"])
+    assert [e.step for e in acc.Scalars("loss")] == [1, 2]
