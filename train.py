@@ -29,12 +29,17 @@ from components.tokenizer import build_tokenizer
 from models.moe.router import update_expert_bias
 from models.qwen3.args import get_model_args
 from models.qwen3.model import Qwen3MoE, count_params
-from parallelisms.activation_checkpoint import apply_ac
-from parallelisms.compile import apply_compile
+from parallelisms import parallelize_model
 from parallelisms.parallel_dims import build_parallel_dims
+from parallelisms.expert_parallel import finish_expert_grads
+from parallelisms.utils import clip_grad_norm_, init_distributed
 
 
 class NonFiniteLossError(RuntimeError):
+    pass
+
+
+class ExpertCapacityError(RuntimeError):
     pass
 
 
@@ -72,9 +77,14 @@ class Trainer:
         # Everything that can be wrong with the config or the inputs is checked before the model exists.
         check_implemented(cfg)
         self.model_args = get_model_args(m.flavor, n_layers=m.n_layers, rope_theta=m.rope_theta)
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        self.parallel_dims = build_parallel_dims(cfg.parallelism, world_size, self.model_args.num_experts)
         self.device = resolve_device(t.device)
+        world_size = init_distributed(self.device.type)
+        self.distributed = torch.distributed.is_initialized()
+        self.parallel_dims = build_parallel_dims(cfg.parallelism, world_size, self.model_args.num_experts,
+                                                 self.device.type)
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.rank = torch.distributed.get_rank() if self.distributed else 0
         if t.seq_len > self.model_args.max_seq_len:
             raise ConfigError(f"[training] seq_len = {t.seq_len} exceeds the model's max_seq_len "
                               f"{self.model_args.max_seq_len}")
@@ -89,15 +99,15 @@ class Trainer:
         if self.tokenizer.vocab_size > self.model_args.vocab_size:
             raise ConfigError(f"[model] tokenizer_path: the tokenizer has {self.tokenizer.vocab_size} tokens, more "
                               f"than the {m.flavor} model's vocab_size {self.model_args.vocab_size}")
+        dp_rank = self.parallel_dims.dp_mesh.get_local_rank() if self.distributed else 0
         self.dataloader = build_dataloader(t.dataset_path, self.tokenizer, t.seq_len, t.local_batch_size,
-                                           dp_rank=0, dp_world_size=dp, seed=t.seed)
+                                           dp_rank=dp_rank, dp_world_size=dp, seed=t.seed)
 
         seed_everything(t.seed, t.deterministic)
         with torch.device("meta"):
             model = Qwen3MoE(self.model_args, moe_backend=cfg.moe.backend,
                              use_expert_bias=cfg.moe.load_balance == "expert_bias")
-        apply_ac(model, cfg.activation_checkpoint)
-        apply_compile(model, cfg.compile)
+        parallelize_model(model, self.parallel_dims, cfg, self.distributed)
         model.to_empty(device=self.device)
         model.init_weights()
         self.model = model
@@ -111,62 +121,79 @@ class Trainer:
             cfg.metrics, self.device, flops_per_token(self.model_args, t.seq_len),
             tokens_per_step=t.local_batch_size * t.seq_len * self.grad_accum_steps,
             log_dir=os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder))
+        # FSDP casts parameters itself (MixedPrecisionPolicy); a single process uses autocast.
         self.amp = (torch.autocast(self.device.type, dtype=torch.bfloat16)
-                    if t.mixed_precision_param == "bfloat16" else contextlib.nullcontext())
+                    if t.mixed_precision_param == "bfloat16" and not self.distributed else contextlib.nullcontext())
 
     def describe(self) -> str:
         total, active = count_params(self.model_args)
-        a = self.model_args
+        a, d = self.model_args, self.parallel_dims
         return (f"{self.cfg.job.description}: Qwen3-MoE {self.cfg.model.flavor} ({a.n_layers} layers, dim {a.dim}, "
                 f"{a.num_experts} experts top-{a.top_k}, {total / 1e6:,.1f}M params, {active / 1e6:,.1f}M active) "
                 f"on {self.device}, MoE backend {self.cfg.moe.backend!r}, "
-                f"{self.cfg.training.mixed_precision_param}, grad accumulation {self.grad_accum_steps}")
+                f"{self.cfg.training.mixed_precision_param}, grad accumulation {self.grad_accum_steps}, "
+                f"world {d.world_size} = dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} (EP {d.ep} within)")
 
     def train_step(self, data_iter) -> tuple[float, float, float]:
-        """One optimizer step over ``grad_accum_steps`` micro-batches: (loss, aux_loss, grad_norm)."""
+        """One optimizer step over ``grad_accum_steps`` micro-batches: (loss, aux_loss, grad_norm),
+        the losses averaged over micro-batches and data-parallel ranks."""
         cfg = self.cfg
         params = [p for p in self.model.parameters() if p.requires_grad]
-        ce_sum = torch.zeros((), device=self.device)
-        aux_sum = torch.zeros((), device=self.device)
+        # ce, aux, dropped slots: summed on device, read once at the end of the step.
+        totals = torch.zeros(3, device=self.device)
         tokens_per_expert_LE = None
         for _ in range(self.grad_accum_steps):
             inputs_BL, labels_BL = next(data_iter)
             inputs_BL, labels_BL = inputs_BL.to(self.device), labels_BL.to(self.device)
             with self.amp:
-                logits_BLV, router_stats_L2E = self.model(inputs_BL)
+                logits_BLV, router_stats_L3E = self.model(inputs_BL)
                 ce = F.cross_entropy(logits_BLV.flatten(0, 1).float(), labels_BL.flatten())
-                aux = self.model.aux_loss(router_stats_L2E, inputs_BL.numel())
+                aux = self.model.aux_loss(router_stats_L3E, inputs_BL.numel())
             loss = ce
             if cfg.moe.load_balance == "aux_loss" and cfg.moe.aux_loss_coef > 0:
                 loss = ce + cfg.moe.aux_loss_coef * aux
             (loss / self.grad_accum_steps).backward()
-            ce_sum += ce.detach()
-            aux_sum += aux.detach()
-            counts = router_stats_L2E[:, 0].detach()
+            totals += torch.stack([ce.detach(), aux.detach(), router_stats_L3E[:, 2].sum()])
+            counts = router_stats_L3E[:, 0].detach()
             tokens_per_expert_LE = counts if tokens_per_expert_LE is None else tokens_per_expert_LE + counts
 
+        if self.parallel_dims.ep_enabled:
+            finish_expert_grads(self.model, self.parallel_dims.mesh, self.parallel_dims.dp_size)
         max_norm = cfg.training.max_norm if cfg.training.max_norm > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=self.device.type == "cuda")
-        loss_value = ce_sum.item() / self.grad_accum_steps
-        if not math.isfinite(loss_value) or not math.isfinite(grad_norm.item()):
+        grad_norm = clip_grad_norm_(params, max_norm, foreach=self.device.type == "cuda").item()
+        if self.distributed:
+            group = self.parallel_dims.dp_mesh.get_group()
+            torch.distributed.all_reduce(totals, group=group)
+            totals[:2] /= self.parallel_dims.dp_size
+        loss_value, aux_value, dropped = (totals[:2] / self.grad_accum_steps).tolist() + [totals[2].item()]
+        if dropped > 0:
+            raise ExpertCapacityError(
+                f"step {self.step}: {int(dropped)} routed (token, expert) slots did not fit the expert-parallel "
+                f"receive buffers ([parallelism] expert_capacity_factor = "
+                f"{cfg.parallelism.expert_capacity_factor}); the step is not applied. Raise the factor (a "
+                f"factor >= the EP degree, {self.parallel_dims.ep}, never overflows) and resume.")
+        if not math.isfinite(loss_value) or not math.isfinite(grad_norm):
             raise NonFiniteLossError(
-                f"step {self.step}: the loss is {loss_value} and the gradient norm {grad_norm.item()}: training "
+                f"step {self.step}: the loss is {loss_value} and the gradient norm {grad_norm}: training "
                 "diverged, so it stops before the optimizer applies the update (no checkpoint is written). "
                 "Lower [optimizer] lr, raise [lr_scheduler] warmup_steps, or resume from the last checkpoint.")
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if cfg.moe.load_balance == "expert_bias":
+            if self.distributed:
+                torch.distributed.all_reduce(tokens_per_expert_LE, group=self.parallel_dims.dp_mesh.get_group())
             for bias_E, counts_E in zip(self.model.expert_biases(), tokens_per_expert_LE):
                 update_expert_bias(bias_E, counts_E, cfg.moe.bias_update_rate)
-        return loss_value, aux_sum.item() / self.grad_accum_steps, grad_norm.item()
+        return loss_value, aux_value, grad_norm
 
     def train(self) -> None:
         t = self.cfg.training
-        print(self.describe(), flush=True)
+        log = print if self.rank == 0 else (lambda *a, **k: None)
+        log(self.describe(), flush=True)
         self.step = self.checkpoint.maybe_load()
         if self.step:
-            print(f"resumed from the checkpoint of step {self.step}", flush=True)
+            log(f"resumed from the checkpoint of step {self.step}", flush=True)
         data_iter = iter(self.dataloader)
         self.metrics.start()
         while self.step < t.steps:
@@ -177,11 +204,11 @@ class Trainer:
                 torch.cuda.synchronize(self.device)
             self.metrics.step_done(self.step)
             if self.step == 1 or self.step % self.cfg.metrics.log_freq == 0 or self.step == t.steps:
-                print(self.metrics.log(self.step, loss, aux, grad_norm, lr), flush=True)
+                log(self.metrics.log(self.step, loss, aux, grad_norm, lr), flush=True)
             if self.checkpoint.should_save(self.step, t.steps):
                 path = self.checkpoint.save(self.step)
-                print(f"saved checkpoint {path}", flush=True)
-        print(self.metrics.summary(), flush=True)
+                log(f"saved checkpoint {path}", flush=True)
+        log(self.metrics.summary(), flush=True)
         self.metrics.close()
 
 
@@ -198,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, CheckpointError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except NonFiniteLossError as e:
+    except (NonFiniteLossError, ExpertCapacityError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

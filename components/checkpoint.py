@@ -41,6 +41,10 @@ def _is_main() -> bool:
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
+def _world_size() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
 def _barrier() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
@@ -84,7 +88,8 @@ class CheckpointManager:
             tmp.mkdir(parents=True)
         _barrier()
         dcp.save(self._dcp_state(), checkpoint_id=str(tmp))
-        torch.save({"step": step, "dataloader": self.dataloader.state_dict(), "rng": torch.get_rng_state(),
+        torch.save({"step": step, "world_size": _world_size(), "dataloader": self.dataloader.state_dict(),
+                    "rng": torch.get_rng_state(),
                     "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
                    tmp / f"trainer_rank{rank}.pt")
         _barrier()
@@ -133,11 +138,19 @@ class CheckpointManager:
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        extra = torch.load(path / f"trainer_rank{rank}.pt", weights_only=False)
-        self.dataloader.load_state_dict(extra["dataloader"])
-        torch.set_rng_state(extra["rng"])
-        if extra["cuda_rng"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(extra["cuda_rng"])
+        extra = torch.load(path / "trainer_rank0.pt", weights_only=False)
+        if extra["world_size"] == _world_size():
+            # Same layout: every rank continues its own data stream and random state exactly.
+            extra = torch.load(path / f"trainer_rank{rank}.pt", weights_only=False)
+            self.dataloader.load_state_dict(extra["dataloader"])
+            torch.set_rng_state(extra["rng"])
+            if extra["cuda_rng"] is not None and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(extra["cuda_rng"])
+        elif _is_main():
+            # DCP reshards the model and optimizer to the new layout; the per-rank data streams
+            # cannot be, so the data order restarts.
+            print(f"note: checkpoint {path} was saved by {extra['world_size']} ranks, this run has {_world_size()}: "
+                  "model and optimizer state are resharded, the data order starts afresh", flush=True)
         return int(extra["step"])
 
 

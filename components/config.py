@@ -103,7 +103,13 @@ class Parallelism:
     tensor_parallel_degree: int = _field(1, "tensor parallel (not implemented: must be 1)", ge=1)
     context_parallel_degree: int = _field(1, "context parallel (not implemented: must be 1)", ge=1)
     pipeline_parallel_degree: int = _field(1, "pipeline parallel (not implemented: must be 1)", ge=1)
-    fsdp_reshard_after_forward: str = _field("default", "FSDP2 reshard policy", choices=("default", "always", "never"))
+    fsdp_reshard_after_forward: str = _field("default", "FSDP2: free gathered parameters after forward (always), "
+                                             "keep them for backward (never), or always except the last "
+                                             "block's (default)", choices=("default", "always", "never"))
+    fsdp_reduce_dtype: str = _field("float32", "dtype of FSDP gradient reduction", choices=("float32", "bfloat16"))
+    expert_capacity_factor: float = _field(2.0, "EP receive buffers hold this many times the mean rows per "
+                                           "rank; overflow stops the step with a message (a factor >= the EP "
+                                           "degree never overflows)", gt=0)
 
 
 @dataclass

@@ -7,7 +7,8 @@ Every backend computes the routed-expert part of a MoE layer for the tokens on t
     y[t] = sum_k topk_weights[t, k] * w2[e] @ (silu(w1[e] @ x[t]) * (w3[e] @ x[t])),  e = topk_ids[t, k]
 
 Shapes: T tokens, K experts per token, E experts, D model dim, F expert hidden dim.
-``topk_ids_TK`` is int64 (or int32) in [0, E); ``topk_weights_TK`` is any float dtype (the router
+``topk_ids_TK`` is int64 (or int32) in [0, E), or -1 for an empty slot that contributes nothing
+(expert parallelism pads its static-capacity receive buffers this way); ``topk_weights_TK`` is any float dtype (the router
 produces float32); the output has the dtype of ``x_TD``. Gradients flow to x, the three expert
 weights and the routing weights (hence to the router). Weight layout is TorchTitan's.
 

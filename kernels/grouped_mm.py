@@ -39,9 +39,16 @@ def _grouped_mm(a_ND: torch.Tensor, b_EKM: torch.Tensor, offs_E: torch.Tensor) -
 
 
 def route_by_expert(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(slot order sorted by expert (stable) N, cumulative row offsets per expert E as int32)."""
+    """(slot order sorted by expert (stable) N, cumulative row offsets per expert E as int32).
+
+    Empty slots (id -1) sort last and are counted into the last expert's group: they are computed
+    and then masked. That costs their FLOPs, but keeps every row inside a group, because
+    ``_grouped_mm`` leaves rows past the last offset undefined (in its output and in the input
+    gradient) and, on CPU, returns only ``offs[-1]`` rows.
+    """
     ids_N = topk_ids_TK.reshape(-1)
-    sorted_slots_N = torch.argsort(ids_N, stable=True)
+    ids_N = torch.where(ids_N < 0, num_experts - 1, ids_N)
+    sorted_slots_N = torch.argsort(torch.where(topk_ids_TK.reshape(-1) < 0, num_experts, ids_N), stable=True)
     counts_E = torch.zeros(num_experts, dtype=torch.int32, device=ids_N.device)
     counts_E = counts_E.scatter_add(0, ids_N, torch.ones_like(ids_N, dtype=torch.int32))
     return sorted_slots_N, torch.cumsum(counts_E, 0, dtype=torch.int32)
@@ -63,7 +70,8 @@ def moe_grouped_mm(
     up_NF = _grouped_mm(x_ND, w3_EFD.transpose(-2, -1), offs_E)
     out_ND = _grouped_mm(F.silu(gate_NF) * up_NF, w2_EDF.transpose(-2, -1), offs_E)
     # Un-sort to (token, k) order with a gather by the inverse permutation, then a deterministic
-    # float32 weighted sum over k (no scatter-add atomics).
-    out_TKD = out_ND[torch.argsort(sorted_slots_N)].view(T, K, -1)
-    y_TD = (out_TKD.float() * topk_weights_TK.float().unsqueeze(-1)).sum(dim=1)
+    # float32 weighted sum over k (no scatter-add atomics). Empty slots are masked.
+    out_TKD = out_ND[torch.argsort(sorted_slots_N)].view(T, K, -1).float()
+    out_TKD = torch.where((topk_ids_TK >= 0).unsqueeze(-1), out_TKD, 0.0)
+    y_TD = (out_TKD * topk_weights_TK.float().unsqueeze(-1)).sum(dim=1)
     return y_TD.to(x_TD.dtype)

@@ -24,7 +24,7 @@ def moe_reference(
 ) -> torch.Tensor:
     """y[t] = sum_k s[t,k] * w2[e] @ (silu(w1[e] @ x[t]) * (w3[e] @ x[t])) with e = topk_ids[t,k].
 
-    Computes in the dtype of ``x_TD`` (pass float64 inputs for an exact oracle); the weighted sum
+    Slots with id -1 are empty and contribute nothing. Computes in the dtype of ``x_TD`` (pass float64 inputs for an exact oracle); the weighted sum
     over k is accumulated in float32 or better and cast back to ``x_TD.dtype``.
     """
     num_experts = w1_EFD.shape[0]

@@ -1,53 +1,92 @@
-"""Parallel degrees from ``[parallelism]``, checked against the world size.
+"""Parallel degrees from ``[parallelism]``, checked against the world size, and the device mesh.
 
-Only a single process is implemented so far; the multi-process paths (FSDP2, expert parallelism)
-come with the parallelisms issue. Until then, every setting that would need them is refused at
-start with a message that says so, rather than silently ignored.
+Expert parallelism borrows its ranks from FSDP's shard dimension (TorchTitan's "dp2ep"): with
+``dp_shard = 8`` and ``ep = 4``, the 8 shard ranks form 2 groups of 4; within a group each rank
+owns E/4 experts, and the same experts are FSDP-sharded over the 2 groups. The mesh is
+
+    (dp_replicate, dp_shard_mod_ep, ep)      with dp_shard = dp_shard_mod_ep x ep
+
+and the submeshes used are:
+
+- ``dp``: (dp_replicate, dp_shard_mod_ep, ep) flattened: data loading (each rank its own samples)
+- ``fsdp``: (dp_replicate, dp_shard_mod_ep x ep) -- HSDP for the dense parameters
+- ``dp_shard_mod_ep``: the ranks that hold the same experts and shard them (expert_parallel.py)
+- ``ep``: the expert-parallel group (token all-to-all)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from components.config import ConfigError, Parallelism
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelDims:
     dp_replicate: int
     dp_shard: int
     ep: int
     world_size: int
+    device_type: str = "cpu"
 
     @property
     def dp_size(self) -> int:
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def dp_shard_mod_ep(self) -> int:
+        return self.dp_shard // self.ep
 
-def build_parallel_dims(cfg: Parallelism, world_size: int, num_experts: int) -> ParallelDims:
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @cached_property
+    def mesh(self):
+        """The world mesh with the flattened submeshes registered (see the module docstring)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(self.device_type, (self.dp_replicate, self.dp_shard_mod_ep, self.ep),
+                                mesh_dim_names=("dp_replicate", "dp_shard_mod_ep", "ep"))
+        mesh["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp")
+        mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+        return mesh
+
+    @property
+    def dp_mesh(self):
+        return self.mesh["dp"]
+
+    @property
+    def fsdp_mesh(self):
+        return self.mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else self.mesh["dp_shard"]
+
+    @property
+    def ep_mesh(self):
+        return self.mesh["ep"]
+
+
+def build_parallel_dims(cfg: Parallelism, world_size: int, num_experts: int, device_type: str = "cpu") -> ParallelDims:
+    """Resolve -1 degrees and refuse combinations that cannot work, naming the numbers that conflict."""
     for key in ("tensor_parallel_degree", "context_parallel_degree", "pipeline_parallel_degree"):
         if getattr(cfg, key) > 1:
             raise ConfigError(f"[parallelism] {key} = {getattr(cfg, key)}: not implemented; set it to 1")
-    dp_shard = cfg.data_parallel_shard_degree
+    replicate, dp_shard, ep = cfg.data_parallel_replicate_degree, cfg.data_parallel_shard_degree, cfg.expert_parallel_degree
     if dp_shard == -1:
-        if world_size % cfg.data_parallel_replicate_degree:
-            raise ConfigError(
-                f"[parallelism] data_parallel_replicate_degree = {cfg.data_parallel_replicate_degree} does not "
-                f"divide the world size {world_size}")
-        dp_shard = world_size // cfg.data_parallel_replicate_degree
-    if cfg.data_parallel_replicate_degree * dp_shard != world_size:
+        if world_size % replicate:
+            raise ConfigError(f"[parallelism] data_parallel_replicate_degree = {replicate} does not divide the "
+                              f"world size {world_size}")
+        dp_shard = world_size // replicate
+    if replicate * dp_shard != world_size:
         raise ConfigError(
-            f"[parallelism] data_parallel_replicate_degree ({cfg.data_parallel_replicate_degree}) x "
-            f"data_parallel_shard_degree ({dp_shard}) = {cfg.data_parallel_replicate_degree * dp_shard} "
-            f"must equal the world size ({world_size})")
-    ep = cfg.expert_parallel_degree
+            f"[parallelism] data_parallel_replicate_degree ({replicate}) x data_parallel_shard_degree ({dp_shard}) "
+            f"= {replicate * dp_shard} must equal the world size ({world_size})")
     if num_experts % ep:
         raise ConfigError(f"[parallelism] expert_parallel_degree = {ep} does not divide the {num_experts} experts")
     if ep > dp_shard:
         raise ConfigError(f"[parallelism] expert_parallel_degree = {ep} is larger than the data-parallel shard "
-                          f"degree {dp_shard}: EP borrows its ranks from FSDP")
-    if world_size > 1 or ep > 1:
-        raise ConfigError(
-            f"multi-process training (world size {world_size}, expert_parallel_degree {ep}) is not implemented "
-            "yet: FSDP2 and expert parallelism come with the parallelisms issue; run with one process")
-    return ParallelDims(cfg.data_parallel_replicate_degree, dp_shard, ep, world_size)
+                          f"degree {dp_shard}: EP borrows its ranks from FSDP's shard dimension")
+    if dp_shard % ep:
+        raise ConfigError(f"[parallelism] expert_parallel_degree = {ep} does not divide the data-parallel shard "
+                          f"degree {dp_shard}: EP groups are carved out of the FSDP shard ranks")
+    return ParallelDims(replicate, dp_shard, ep, world_size, device_type)

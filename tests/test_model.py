@@ -43,7 +43,7 @@ def test_debug_forward_backward():
     tokens = torch.randint(0, model.args.vocab_size, (2, 32))
     logits, stats = model(tokens)
     assert logits.shape == (2, 32, model.args.vocab_size)
-    assert stats.shape == (2, 2, model.args.num_experts)
+    assert stats.shape == (2, 3, model.args.num_experts)
     assert torch.all(stats[:, 0].sum(-1) == 2 * 32 * model.args.top_k)
     loss = F.cross_entropy(logits.flatten(0, 1), tokens.flatten()) + 0.01 * model.aux_loss(stats, tokens.numel())
     loss.backward()

@@ -16,6 +16,9 @@ def routing(kind: str, T: int, E: int, K: int, gen: torch.Generator) -> torch.Te
     if kind == "all_on_first":  # every token's first choice is expert 0, the rest random
         rest = 1 + torch.rand(T, E - 1, generator=gen).argsort(dim=-1)[:, : K - 1]
         return torch.cat([torch.zeros(T, 1, dtype=torch.long), rest], dim=1)
+    if kind == "with_empty_slots":  # expert parallelism's padding: some slots are -1
+        ids = torch.rand(T, E, generator=gen).argsort(dim=-1)[:, :K]
+        return torch.where(torch.rand(T, K, generator=gen) < 0.3, -1, ids)
     raise ValueError(kind)
 
 
@@ -47,6 +50,8 @@ CASES = [
     (20, 16, 24, 6, 2, "one_expert_empty"),
     (15, 16, 24, 5, 2, "all_on_first"),
     (1, 16, 24, 4, 2, "random"),  # a single token
+    (25, 16, 24, 4, 2, "with_empty_slots"),
+    (12, 16, 24, 4, 1, "with_empty_slots"),
 ]
 
 

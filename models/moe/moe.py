@@ -18,23 +18,38 @@ from models.moe.router import TokenChoiceTopKRouter
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts in TorchTitan's layout: w1, w3 (E, F, D) and w2 (E, D, F)."""
+    """E SwiGLU experts in TorchTitan's layout: w1, w3 (E, F, D) and w2 (E, D, F).
+
+    With expert parallelism (``parallelisms/expert_parallel.py``) the weights are DTensors sharded
+    on the expert dim and ``expert_parallel`` carries tokens to the ranks owning their experts.
+    """
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, backend: str):
         super().__init__()
+        self.num_experts = num_experts
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.backend_name = backend
         self.backend = get_moe_backend(backend)
+        self.expert_parallel = None
 
-    def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
-        w1, w2, w3 = self.w1, self.w2, self.w3
+    def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (y_TD, dropped_E): dropped_E counts slots that did not fit expert parallelism's
+        static buffers (always zero without EP)."""
+        if self.expert_parallel is not None:
+            w1, w2, w3 = (self.expert_parallel.gather_weight(w) for w in (self.w1, self.w2, self.w3))
+        else:
+            w1, w2, w3 = self.w1, self.w2, self.w3
         if torch.is_autocast_enabled(x_TD.device.type):
             # Autocast does not see through custom kernels: hand every backend the compute dtype.
             dtype = torch.get_autocast_dtype(x_TD.device.type)
             x_TD, w1, w2, w3 = x_TD.to(dtype), w1.to(dtype), w2.to(dtype), w3.to(dtype)
-        return self.backend(x_TD, topk_ids_TK, topk_weights_TK, w1, w3, w2)
+        if self.expert_parallel is not None:
+            return self.expert_parallel(self.backend, x_TD, topk_ids_TK, topk_weights_TK, w1, w3, w2)
+        dropped_E = torch.zeros(self.num_experts, dtype=torch.float32, device=x_TD.device)
+        return self.backend(x_TD, topk_ids_TK, topk_weights_TK, w1, w3, w2), dropped_E
 
     def reset_parameters(self, init_std: float, out_init_std: float) -> None:
         nn.init.trunc_normal_(self.w1, mean=0.0, std=init_std)
@@ -50,13 +65,14 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(dim, hidden_dim, num_experts, backend)
 
     def forward(self, x_BLD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (y_BLD, router_stats_2E): row 0 the routed-slot counts per expert (no gradient),
-        row 1 the summed router probabilities (for the auxiliary loss)."""
+        """Returns (y_BLD, router_stats_3E): row 0 the routed-slot counts per expert (no gradient),
+        row 1 the summed router probabilities (for the auxiliary loss), row 2 the slots dropped by
+        expert parallelism's capacity (the trainer stops if any)."""
         B, L, D = x_BLD.shape
         x_TD = x_BLD.reshape(B * L, D)
         topk_ids_TK, topk_weights_TK, tokens_per_expert_E, probs_sum_E = self.router(x_TD)
-        y_TD = self.experts(x_TD, topk_ids_TK, topk_weights_TK)
-        return y_TD.reshape(B, L, D), torch.stack([tokens_per_expert_E, probs_sum_E])
+        y_TD, dropped_E = self.experts(x_TD, topk_ids_TK, topk_weights_TK)
+        return y_TD.reshape(B, L, D), torch.stack([tokens_per_expert_E, probs_sum_E, dropped_E.detach()])
 
     def reset_parameters(self, init_std: float, out_init_std: float) -> None:
         self.router.reset_parameters(init_std)

@@ -99,8 +99,8 @@ class TransformerBlock(nn.Module):
     def forward(self, h_BLD: torch.Tensor, cos_Ld: torch.Tensor, sin_Ld: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         h_BLD = h_BLD + self.attention(self.attention_norm(h_BLD), cos_Ld, sin_Ld)
-        moe_out, router_stats_2E = self.moe(self.ffn_norm(h_BLD))
-        return h_BLD + moe_out, router_stats_2E
+        moe_out, router_stats_3E = self.moe(self.ffn_norm(h_BLD))
+        return h_BLD + moe_out, router_stats_3E
 
     def init_weights(self) -> None:
         out_std = depth_init_std(self.layer_id)
@@ -125,8 +125,8 @@ class Qwen3MoE(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, tokens_BL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (logits_BLV, router_stats_L2E): per layer the routed-slot counts per expert and
-        the summed router probabilities (see ``MoE.forward``)."""
+        """Returns (logits_BLV, router_stats_L3E): per layer the routed-slot counts per expert, the
+        summed router probabilities and the slots dropped by EP capacity (see ``MoE.forward``)."""
         L = tokens_BL.shape[1]
         if L > self.args.max_seq_len:
             raise ValueError(f"sequence length {L} exceeds max_seq_len {self.args.max_seq_len}")
@@ -134,13 +134,13 @@ class Qwen3MoE(nn.Module):
         h = self.tok_embeddings(tokens_BL)
         stats = []
         for layer in self.layers.values():
-            h, router_stats_2E = layer(h, cos, sin)
-            stats.append(router_stats_2E)
+            h, router_stats_3E = layer(h, cos, sin)
+            stats.append(router_stats_3E)
         logits = self.output(self.norm(h))
         return logits, torch.stack(stats)
 
-    def aux_loss(self, router_stats_L2E: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        return router_aux_loss(router_stats_L2E[:, 0], router_stats_L2E[:, 1], num_tokens)
+    def aux_loss(self, router_stats_L3E: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        return router_aux_loss(router_stats_L3E[:, 0], router_stats_L3E[:, 1], num_tokens)
 
     @torch.no_grad()
     def init_weights(self) -> None:

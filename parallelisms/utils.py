@@ -1,0 +1,39 @@
+"""Process-group setup and the few collective helpers the trainer needs."""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def init_distributed(device_type: str) -> int:
+    """Join the process group when launched by torchrun (WORLD_SIZE set); returns the world size."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if "WORLD_SIZE" not in os.environ or dist.is_initialized():
+        return dist.get_world_size() if dist.is_initialized() else world_size
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    return dist.get_world_size()
+
+
+def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, foreach: bool) -> torch.Tensor:
+    """Global gradient norm over parameters that live on different meshes (experts on the EP x
+    expert-FSDP mesh, the rest on the FSDP mesh), then clip; returns the norm as a plain tensor."""
+    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        if p.grad is not None:
+            groups[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p)
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0, foreach=foreach)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    if max_norm != float("inf"):
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=foreach)
+    return total

@@ -1,0 +1,220 @@
+"""FSDP2 + expert parallelism across CPU processes (gloo) against a single-process run.
+
+Each layout trains the same initial weights on the same global batches: rank r of a
+data-parallel group of size dp takes rows [r*B, (r+1)*B) of every global batch, and the
+single-process reference takes the same dp micro-batches in turn with gradient accumulation.
+Losses and parameters must agree within float32 tolerance.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="multi-process tests use gloo on Linux")
+
+LOCAL_BS, SEQ, STEPS = 2, 32, 3
+BASE = ["--config", "train_configs/debug_model.toml", "--model.n_layers", "2", "--training.seq_len", str(SEQ),
+        "--training.local_batch_size", str(LOCAL_BS), "--lr_scheduler.warmup_steps", "1",
+        "--training.device", "cpu", "--training.mixed_precision_param", "float32"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def global_batches(dp: int, steps: int = STEPS, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2048, (steps, dp * LOCAL_BS, SEQ + 1), generator=gen)
+
+
+def batch_iter(batches: torch.Tensor, dp_rank: int, dp: int, accumulate: bool):
+    """Yields this rank's micro-batch of each step; with ``accumulate`` (one process standing in
+    for dp ranks) yields every rank's micro-batch of a step in turn."""
+    for step_batch in batches:
+        ranks = range(dp) if accumulate else [dp_rank]
+        for r in ranks:
+            rows = step_batch[r * LOCAL_BS:(r + 1) * LOCAL_BS]
+            yield rows[:, :-1], rows[:, 1:]
+
+
+def full_state(model) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.clone() for k, v in sd.items()}
+
+
+def load_full_state(model, state: dict[str, torch.Tensor]) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+
+
+def run_steps(trainer, batches, dp, accumulate, start_step=0):
+    from train import Trainer  # noqa: F401  (import check)
+
+    dp_rank = trainer.parallel_dims.dp_mesh.get_local_rank() if trainer.distributed else 0
+    it = batch_iter(batches, dp_rank, dp, accumulate)
+    losses = []
+    for step in range(start_step + 1, start_step + len(batches) + 1):
+        trainer.step = step
+        losses.append(trainer.train_step(it)[0])
+    return losses
+
+
+def _worker(rank: int, world: int, port: int, args: list[str], init_path: str, out_path: str, mode: str,
+            ckpt_dir: str | None) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from components.config import parse_args
+    from train import Trainer
+
+    try:
+        trainer = Trainer(parse_args(BASE + args + (["--job.dump_folder", ckpt_dir, "--checkpoint.enable"]
+                                                    if ckpt_dir else [])))
+        dp = trainer.parallel_dims.dp_size
+        if mode == "overflow":
+            from train import ExpertCapacityError
+
+            load_full_state(trainer.model, torch.load(init_path))
+            try:
+                run_steps(trainer, global_batches(dp), dp, False)
+                raise AssertionError("an overflow of the EP buffers went unreported")
+            except ExpertCapacityError as e:
+                if rank == 0:
+                    torch.save({"message": str(e)}, out_path)
+            return
+        if mode == "resume":
+            trainer.step = trainer.checkpoint.maybe_load()
+            losses = run_steps(trainer, global_batches(dp, seed=1), dp, False, start_step=trainer.step)
+        else:
+            load_full_state(trainer.model, torch.load(init_path))
+            losses = run_steps(trainer, global_batches(dp), dp, False)
+            if mode == "save":
+                trainer.checkpoint.save(STEPS)
+        state = full_state(trainer.model)
+        if rank == 0:
+            torch.save({"losses": losses, "state": state}, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(world: int, args: list[str], init_path: str, out_path: str, mode: str = "train", ckpt_dir=None) -> dict:
+    mp.spawn(_worker, args=(world, free_port(), args, init_path, out_path, mode, ckpt_dir), nprocs=world, join=True)
+    return torch.load(out_path)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Initial weights, and single-process runs standing in for dp = 2 and dp = 4."""
+    from components.config import parse_args
+    from train import Trainer
+
+    tmp = tmp_path_factory.mktemp("ref")
+    out = {"init": str(tmp / "init.pt")}
+    for dp in (2, 4):
+        trainer = Trainer(parse_args(BASE + ["--training.global_batch_size", str(dp * LOCAL_BS)]))
+        if dp == 2:
+            torch.save(full_state(trainer.model), out["init"])
+        else:
+            load_full_state(trainer.model, torch.load(out["init"]))
+        losses = run_steps(trainer, global_batches(dp), dp, accumulate=True)
+        out[dp] = {"losses": losses, "state": full_state(trainer.model), "trainer": trainer}
+    return out
+
+
+def assert_same_training(got: dict, want: dict) -> None:
+    assert got["losses"] == pytest.approx(want["losses"], rel=1e-5), (got["losses"], want["losses"])
+    assert got["state"].keys() == want["state"].keys()
+    for name, value in want["state"].items():
+        torch.testing.assert_close(got["state"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+LAYOUTS = {
+    "dp_shard2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
+    "ep2": (2, ["--parallelism.expert_parallel_degree", "2"]),
+    "dp_shard2_x_ep2": (4, ["--parallelism.expert_parallel_degree", "2"]),
+    "dp_replicate2_x_dp_shard2": (4, ["--parallelism.data_parallel_replicate_degree", "2"]),
+    "ep2_full_ac": (2, ["--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode", "full"]),
+    "dp_shard2_full_ac_compile": (2, ["--activation_checkpoint.mode", "full", "--compile.enable",
+                                      "--compile.backend", "aot_eager"]),
+    "ep2_compile": (2, ["--parallelism.expert_parallel_degree", "2", "--compile.enable", "--compile.backend",
+                        "aot_eager"]),
+    "dp_shard2_x_ep2_full_ac_compile": (4, ["--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode",
+                                            "full", "--compile.enable", "--compile.backend", "aot_eager"]),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_matches_single_process(layout, reference, tmp_path):
+    world, args = LAYOUTS[layout]
+    got = spawn(world, args, reference["init"], str(tmp_path / "out.pt"))
+    assert_same_training(got, reference[world])
+
+
+def test_save_at_4_ranks_load_at_2(reference, tmp_path):
+    """A DCP checkpoint written by dp_shard 2 x ep 2 on 4 ranks loads on 2 ranks (EP 2), and
+    training continues there exactly as in one process that loads the same checkpoint."""
+    from components.config import parse_args
+    from train import Trainer
+
+    job = str(tmp_path / "job")
+    saved = spawn(4, ["--parallelism.expert_parallel_degree", "2"], reference["init"], str(tmp_path / "out4.pt"),
+                  mode="save", ckpt_dir=job)
+    assert_same_training(saved, reference[4])
+    resumed = spawn(2, ["--parallelism.expert_parallel_degree", "2"], reference["init"], str(tmp_path / "out2.pt"),
+                    mode="resume", ckpt_dir=job)
+
+    single = Trainer(parse_args(BASE + ["--training.global_batch_size", str(2 * LOCAL_BS), "--job.dump_folder", job,
+                                        "--checkpoint.enable"]))
+    assert single.checkpoint.maybe_load() == STEPS
+    for name, value in full_state(single.model).items():
+        assert torch.equal(value, saved["state"][name]), name
+    losses = run_steps(single, global_batches(2, seed=1), 2, accumulate=True, start_step=STEPS)
+    assert resumed["losses"] == pytest.approx(losses, rel=1e-5)
+
+
+def test_ep_capacity_overflow_is_reported_not_dropped(reference, tmp_path):
+    """Buffers far too small: every rank stops at step 1 with the message, before any update."""
+    got = spawn(2, ["--parallelism.expert_parallel_degree", "2", "--parallelism.expert_capacity_factor", "0.2"],
+                reference["init"], str(tmp_path / "out.pt"), mode="overflow")
+    assert "step 1:" in got["message"] and "did not fit the expert-parallel receive buffers" in got["message"]
+
+
+@pytest.mark.parametrize("name,world", [("qwen3_30b_a3b", 32), ("qwen3_235b_a22b", 128)])
+def test_reference_layouts_validate(name, world):
+    from components.config import load_config
+    from models.qwen3.args import get_model_args
+    from parallelisms.parallel_dims import build_parallel_dims
+
+    cfg = load_config(f"train_configs/{name}.toml")
+    dims = build_parallel_dims(cfg.parallelism, world, get_model_args(cfg.model.flavor).num_experts)
+    assert (dims.dp_shard, dims.ep, dims.dp_replicate) == (world, 8, 1)
+
+
+@pytest.mark.parametrize("world,args,pattern", [
+    (4, ["--parallelism.data_parallel_shard_degree", "3"], r"x data_parallel_shard_degree \(3\) = 3 must equal the world size \(4\)"),
+    (4, ["--parallelism.expert_parallel_degree", "3"], r"expert_parallel_degree = 3 does not divide the 8 experts"),
+    (2, ["--parallelism.expert_parallel_degree", "4"], r"expert_parallel_degree = 4 is larger than the data-parallel shard degree 2"),
+    (8, ["--parallelism.data_parallel_replicate_degree", "3"], r"data_parallel_replicate_degree = 3 does not divide the world size 8"),
+    (12, ["--parallelism.expert_parallel_degree", "8", "--parallelism.data_parallel_replicate_degree", "1"],
+     r"expert_parallel_degree = 8 does not divide the data-parallel shard degree 12"),
+])
+def test_bad_parallel_configs(world, args, pattern):
+    from components.config import ConfigError, parse_args
+    from parallelisms.parallel_dims import build_parallel_dims
+
+    cfg = parse_args(BASE + args)
+    with pytest.raises(ConfigError, match=pattern):
+        build_parallel_dims(cfg.parallelism, world, 8)
