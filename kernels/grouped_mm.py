@@ -31,7 +31,13 @@ _CPU_HAS_GROUPED_MM = _probe_cpu_grouped_mm()
 
 def _grouped_mm(a_ND: torch.Tensor, b_EKM: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """Rows [offs[e-1], offs[e]) of a times b[e]: (N, K) x (E, K, M) -> (N, M)."""
-    if a_ND.is_cuda or _CPU_HAS_GROUPED_MM:
+    if a_ND.is_cuda:
+        if a_ND.dtype != torch.bfloat16:
+            raise TypeError(f"the grouped_mm MoE backend on CUDA needs bfloat16 inputs (torch._grouped_mm), got "
+                            f"{a_ND.dtype}: train with [training] mixed_precision_param = \"bfloat16\", or use "
+                            "[moe] backend = \"mega\" or \"torch\" for float32")
+        return torch._grouped_mm(a_ND, b_EKM, offs=offs_E)
+    if _CPU_HAS_GROUPED_MM:
         return torch._grouped_mm(a_ND, b_EKM, offs=offs_E)
     ends = offs_E.tolist()
     starts = [0] + ends[:-1]

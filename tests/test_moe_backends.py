@@ -34,12 +34,13 @@ def make_inputs(T, D, F, E, K, kind, dtype=torch.float32, seed=None):
 
 
 def run_with_grads(fn, x, ids, w, w1, w3, w2, dy, dtype):
-    leaves = [t.detach().to(dtype if t.dtype != torch.float32 or dtype == torch.float64 else t.dtype)
-              .requires_grad_() for t in (x, w, w1, w3, w2)]
-    x_, w_, w1_, w3_, w2_ = leaves
+    """Runs fn with x and the expert weights in ``dtype`` (routing weights stay float32, as the
+    router makes them, unless dtype is float64) and returns (y, [dx, dweights, dw1, dw3, dw2])."""
+    x_, w1_, w3_, w2_ = (t.detach().to(dtype).requires_grad_() for t in (x, w1, w3, w2))
+    w_ = w.detach().to(torch.float64 if dtype == torch.float64 else torch.float32).requires_grad_()
     y = fn(x_, ids, w_, w1_, w3_, w2_)
     y.backward(dy.to(y.dtype))
-    return y.detach(), [t.grad for t in leaves]
+    return y.detach(), [t.grad for t in (x_, w_, w1_, w3_, w2_)]
 
 
 CASES = [
@@ -55,7 +56,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("backend", ["torch", "grouped_mm"])
+@pytest.mark.parametrize("backend", ["torch", "grouped_mm", "mega"])
 @pytest.mark.parametrize("T,D,F,E,K,kind", CASES)
 def test_backend_matches_reference(backend, T, D, F, E, K, kind):
     x, ids, w, w1, w3, w2 = make_inputs(T, D, F, E, K, kind)
@@ -121,3 +122,10 @@ def test_grouped_mm_bf16_cuda(T, D, F, E, K, kind):
     for name, got, want in zip(["y", "dx", "dtopk_weights", "dw1", "dw3", "dw2"], [y, *grads], [ref_y, *ref_grads]):
         rel = ((got.double() - want).norm() / want.norm()).item()
         assert rel < 1e-2, f"{name}: relative error {rel:.2e}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_grouped_mm_float32_on_cuda_says_what_to_do():
+    x, ids, w, w1, w3, w2 = [t.cuda() for t in make_inputs(8, 16, 24, 4, 2, "random")]
+    with pytest.raises(TypeError, match="needs bfloat16 inputs"):
+        kernels.get_moe_backend("grouped_mm")(x, ids, w, w1, w3, w2)

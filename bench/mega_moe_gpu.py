@@ -1,0 +1,288 @@
+"""Benchmark of the ``mega`` MoE backend on one GPU (H200): correctness, then speed.
+
+    python -m bench.mega_moe_gpu                      # both shapes, full sweep (~8 min on an H200)
+    python -m bench.mega_moe_gpu --shapes 30B --no-sweep --profile
+
+For each shape (Qwen3-30B-A3B and -235B-A22B expert layers, T = 16384 tokens, top-8 of 128 experts,
+random softmax routing renormalised over the top-k):
+
+1. correctness: bf16 mega vs the plain-PyTorch reference run in fp32 on the same (bf16-valued)
+   inputs; relative Frobenius error of y and of the five gradients;
+2. time of forward and forward+backward (CUDA events, median of --iters after warm-up) for mega and
+   the ``grouped_mm`` backend (or, if that does not import, an inline sort + ``torch._grouped_mm``
+   baseline), each eager and under ``torch.compile(fullgraph=True)``;
+3. a sweep of tile configs for each of the six mega GEMM kernels, timed alone, then the whole op
+   again with the best config of each kernel, and the ``MegaMoEConfigs`` line to paste into
+   ``kernels/mega_moe/configs.py``.
+
+TFLOP/s count 6*N*D*F for the forward and 18*N*D*F for forward+backward (N = T*K), router excluded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+from kernels import get_moe_backend
+from kernels.mega_moe import MegaMoEConfigs, TileConfig, get_configs, mega_moe, override_configs
+from kernels.mega_moe import backward as mb
+from kernels.mega_moe import forward as mf
+from kernels.mega_moe.routing import sort_by_expert, tile_table
+from kernels.moe_reference import moe_reference
+
+SHAPES = {
+    "30B": dict(T=16384, D=2048, F=768, E=128, K=8),
+    "235B": dict(T=16384, D=4096, F=1536, E=128, K=8),
+}
+
+# Candidates per kernel: TileConfig(block_m, block_n, block_k, num_warps, num_stages).
+SWEEP = {
+    "gate_up": [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 64, 64, 8, 3)],
+    "down": [(128, 256, 64, 8, 4), (128, 256, 64, 8, 3), (128, 256, 32, 8, 4), (128, 128, 64, 8, 3)],
+    # dh: a 6th entry is epilogue_split (2: SwiGLU backward one column half at a time).
+    "dh": [
+        (64, 64, 64, 4, 4), (128, 64, 64, 8, 4), (128, 128, 64, 8, 4, 2), (128, 128, 64, 8, 3, 2),
+        (128, 64, 64, 8, 4, 2), (64, 128, 64, 4, 4, 2),
+    ],  # fmt: skip
+    "dx": [(128, 256, 32, 8, 3), (128, 256, 32, 8, 4), (128, 128, 64, 8, 3), (256, 128, 32, 8, 3)],
+    "dw13": [(128, 64, 64, 8, 3), (128, 64, 64, 8, 4), (64, 64, 64, 4, 4), (128, 128, 32, 8, 3), (256, 64, 32, 8, 3)],
+    "dw2": [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 32, 8, 4)],
+}
+# FLOPs of each kernel in units of N*D*F.
+KERNEL_FLOPS = {"gate_up": 4, "down": 2, "dh": 2, "dx": 4, "dw13": 4, "dw2": 2}
+
+
+def log(*args) -> None:
+    print(*args, flush=True)
+
+
+def time_ms(fn, iters: int, warmup: int = 3) -> float:
+    """Median over ``iters`` runs of fn, in ms, each run timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def make_inputs(T, D, F, E, K, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(T, D, device="cuda", generator=g).to(dtype)
+    logits = torch.randn(T, E, device="cuda", generator=g)
+    probs = logits.softmax(dim=-1, dtype=torch.float32)
+    s, ids = probs.topk(K, dim=-1)
+    s = s / s.sum(dim=-1, keepdim=True)
+    w1 = (torch.randn(E, F, D, device="cuda", generator=g) / D**0.5).to(dtype)
+    w3 = (torch.randn(E, F, D, device="cuda", generator=g) / D**0.5).to(dtype)
+    w2 = (torch.randn(E, D, F, device="cuda", generator=g) / F**0.5).to(dtype)
+    dy = torch.randn(T, D, device="cuda", generator=g).to(dtype)
+    return x, ids, s, w1, w3, w2, dy
+
+
+def sorted_grouped_mm_moe(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF):
+    """Fallback baseline: sort by expert, gather, three torch._grouped_mm, weighted un-permute."""
+    T, D = x_TD.shape
+    K = topk_ids_TK.shape[1]
+    E = w1_EFD.shape[0]
+    sorted_ids, order = torch.sort(topk_ids_TK.reshape(-1), stable=True)
+    ends = torch.arange(1, E + 1, device=x_TD.device, dtype=sorted_ids.dtype)
+    offs = torch.searchsorted(sorted_ids, ends).to(torch.int32)
+    xs = x_TD[order // K]
+    gate = torch._grouped_mm(xs, w1_EFD.transpose(-2, -1), offs=offs)
+    up = torch._grouped_mm(xs, w3_EFD.transpose(-2, -1), offs=offs)
+    out = torch._grouped_mm(F.silu(gate) * up, w2_EDF.transpose(-2, -1), offs=offs)
+    out = out * topk_weights_TK.reshape(-1)[order, None].to(out.dtype)
+    slots = torch.zeros_like(out).index_copy(0, order, out)
+    return slots.view(T, K, D).float().sum(dim=1).to(x_TD.dtype)
+
+
+def baseline_backend():
+    try:
+        return "grouped_mm", get_moe_backend("grouped_mm")
+    except Exception as exc:  # the lead's backend may not exist yet
+        log(f"  grouped_mm backend unavailable ({type(exc).__name__}: {exc}); using inline sort+_grouped_mm")
+        return "sort+_grouped_mm", sorted_grouped_mm_moe
+
+
+def check_correctness(inputs) -> dict[str, float]:
+    x, ids, s, w1, w3, w2, dy = inputs
+    leaves = [t.clone().requires_grad_() for t in (x, s, w1, w3, w2)]
+    y = mega_moe(leaves[0], ids, *leaves[1:])
+    grads = torch.autograd.grad(y, leaves, dy)
+    ref_leaves = [t.detach().float().requires_grad_() for t in (x, s, w1, w3, w2)]
+    y_ref = moe_reference(ref_leaves[0], ids, *ref_leaves[1:])
+    ref_grads = torch.autograd.grad(y_ref, ref_leaves, dy.float())
+    errs = {}
+    for name, a, b in zip(("y", "dx", "ds", "dw1", "dw3", "dw2"), (y, *grads), (y_ref, *ref_grads)):
+        errs[name] = ((a.float() - b).norm() / b.norm()).item()
+    return errs
+
+
+def time_backend(fn, inputs, iters):
+    x, ids, s, w1, w3, w2, dy = inputs
+    leaves = [t.clone().requires_grad_() for t in (x, s, w1, w3, w2)]
+
+    def fwd():
+        with torch.no_grad():
+            fn(x, ids, s, w1, w3, w2)
+
+    def fwd_bwd():
+        y = fn(leaves[0], ids, *leaves[1:])
+        torch.autograd.grad(y, leaves, dy)
+
+    return time_ms(fwd, iters), time_ms(fwd_bwd, iters)
+
+
+def profile_mega(inputs) -> None:
+    """Per-kernel GPU time of one mega forward+backward (torch profiler), to see where time goes."""
+    x, ids, s, w1, w3, w2, dy = inputs
+    leaves = [t.clone().requires_grad_() for t in (x, s, w1, w3, w2)]
+
+    def step():
+        y = mega_moe(leaves[0], ids, *leaves[1:])
+        torch.autograd.grad(y, leaves, dy)
+
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    log("  profile of mega fwd+bwd (5 steps; GPU time per kernel):")
+    log(prof.key_averages().table(sort_by="cuda_time_total", row_limit=16, max_name_column_width=60))
+
+
+def sweep_kernels(inputs, iters, flop_unit):
+    """Time each kernel alone over its candidate configs; returns the best MegaMoEConfigs."""
+    x, ids, s, w1, w3, w2, dy = inputs
+    E, Fdim, D = w1.shape
+    K = ids.shape[1]
+    N = ids.numel()
+    slots, offsets = sort_by_expert(ids, E)
+    default = get_configs(D, Fdim, E)
+    h, a = mf.gate_up(x, w1, w3, slots, offsets, K, default.gate_up)
+    dh, _, sa = mb.dh(dy, w2, h, s, slots, offsets, default.dh)
+    tables = {}
+
+    def table(bm):
+        if bm not in tables:
+            tables[bm] = tile_table(offsets, N, bm)
+        return tables[bm]
+
+    launch = {
+        "gate_up": lambda c: mf.gate_up(x, w1, w3, slots, offsets, K, c, table(c.block_m)),
+        "down": lambda c: mf.down(a, w2, s, slots, offsets, c, table(c.block_m)),
+        "dh": lambda c: mb.dh(dy, w2, h, s, slots, offsets, c, table(c.block_m)),
+        "dx": lambda c: mb.dx_slots(dh, w1, w3, slots, offsets, c, table(c.block_m)),
+        "dw13": lambda c: mb.dw13(x, dh, slots, offsets, E, K, c),
+        "dw2": lambda c: mb.dw2(dy, h, s, sa, slots, offsets, E, c),
+    }
+    ms = time_ms(lambda: mb.dw2(dy, h, s, None, slots, offsets, E, default.dw2), iters)
+    log(f"    dw2 rebuilding s*A from H (dw2_from_h=True), default tiles: {ms:7.3f} ms "
+        f"{KERNEL_FLOPS['dw2'] * flop_unit / ms / 1e9:6.1f} TFLOP/s")
+    best = {}
+    for name, candidates in SWEEP.items():
+        results = []
+        for cand in candidates:
+            cfg = TileConfig(*cand)
+            try:
+                t0 = time.time()
+                launch[name](cfg)
+                torch.cuda.synchronize()
+                compile_s = time.time() - t0
+                ms = time_ms(lambda: launch[name](cfg), iters)
+                tflops = KERNEL_FLOPS[name] * flop_unit / ms / 1e9
+                results.append((ms, cfg))
+                log(f"    {name:8s} {cand}: {ms:7.3f} ms  {tflops:6.1f} TFLOP/s  (first call {compile_s:.1f} s)")
+            except Exception as exc:
+                log(f"    {name:8s} {cand}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
+        best[name] = min(results, key=lambda r: r[0])[1] if results else getattr(default, name)
+    return MegaMoEConfigs(**best)
+
+
+def run_shape(label, shape, args, table_rows):
+    T, D, Fdim, E, K = shape["T"], shape["D"], shape["F"], shape["E"], shape["K"]
+    N = T * K
+    unit = N * D * Fdim
+    log(f"\n=== {label}: T={T} D={D} F={Fdim} E={E} K={K} (N={N}) ===")
+    inputs = make_inputs(T, D, Fdim, E, K)
+
+    t0 = time.time()
+    errs = check_correctness(inputs)
+    ok = all(v < 2e-2 for v in errs.values())
+    log(f"  correctness (bf16 mega vs fp32 reference, rel err): "
+        + " ".join(f"{k}={v:.2e}" for k, v in errs.items()) + f"  -> {'PASS' if ok else 'FAIL'}"
+        + f"  ({time.time() - t0:.1f} s)")  # fmt: skip
+    torch.cuda.empty_cache()
+
+    base_name, base_fn = baseline_backend()
+    variants = [("mega", mega_moe, False), ("mega", mega_moe, True), (base_name, base_fn, False), (base_name, base_fn, True)]
+    for name, fn, compiled in variants:
+        mode = "compile" if compiled else "eager"
+        try:
+            t0 = time.time()
+            if compiled:
+                torch._dynamo.reset()
+                fn = torch.compile(fn, fullgraph=True)
+            f_ms, fb_ms = time_backend(fn, inputs, args.iters)
+            log(f"  {name:18s} {mode:8s} fwd {f_ms:7.3f} ms ({6 * unit / f_ms / 1e9:6.1f} TFLOP/s)  "
+                f"fwd+bwd {fb_ms:7.3f} ms ({18 * unit / fb_ms / 1e9:6.1f} TFLOP/s)  [{time.time() - t0:.0f} s]")  # fmt: skip
+            table_rows.append((label, f"{name} {mode}", f_ms, 6 * unit / f_ms / 1e9, fb_ms, 18 * unit / fb_ms / 1e9))
+        except Exception as exc:
+            log(f"  {name} {mode}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
+            traceback.print_exc()
+        torch.cuda.empty_cache()
+
+    if args.profile:
+        profile_mega(inputs)
+
+    if not args.no_sweep:
+        log("  per-kernel tile sweep (each kernel alone):")
+        best = sweep_kernels(inputs, args.iters, unit)
+        log(f"  best configs for (D={D}, F={Fdim}, E={E}):")
+        log("    " + repr(best).replace("TileConfig", "\n      TileConfig"))
+        with override_configs(best):
+            f_ms, fb_ms = time_backend(mega_moe, inputs, args.iters)
+        log(f"  mega (best tiles)  eager    fwd {f_ms:7.3f} ms ({6 * unit / f_ms / 1e9:6.1f} TFLOP/s)  "
+            f"fwd+bwd {fb_ms:7.3f} ms ({18 * unit / fb_ms / 1e9:6.1f} TFLOP/s)")  # fmt: skip
+        table_rows.append((label, "mega eager, best tiles", f_ms, 6 * unit / f_ms / 1e9, fb_ms, 18 * unit / fb_ms / 1e9))
+    del inputs
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="30B,235B", help="comma-separated subset of " + ",".join(SHAPES))
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--no-sweep", action="store_true", help="skip the per-kernel tile sweep")
+    parser.add_argument("--profile", action="store_true", help="print a torch-profiler kernel table")
+    args = parser.parse_args()
+    assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
+    log(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
+        f"triton {__import__('triton').__version__}")  # fmt: skip
+    t_start = time.time()
+    rows: list[tuple] = []
+    for label in args.shapes.split(","):
+        run_shape(label, SHAPES[label], args, rows)
+    log(f"\n=== summary (median of {args.iters}; TFLOP/s: 6NDF fwd, 18NDF fwd+bwd) ===")
+    log(f"{'shape':6s} {'variant':28s} {'fwd ms':>8s} {'TFLOP/s':>8s} {'f+b ms':>8s} {'TFLOP/s':>8s}")
+    for label, variant, f_ms, f_tf, fb_ms, fb_tf in rows:
+        log(f"{label:6s} {variant:28s} {f_ms:8.3f} {f_tf:8.1f} {fb_ms:8.3f} {fb_tf:8.1f}")
+    log(f"total {time.time() - t_start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

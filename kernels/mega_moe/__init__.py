@@ -1,0 +1,17 @@
+"""The ``mega`` MoE backend: routed experts as fused Triton grouped GEMMs (Hopper-first).
+
+Data path, in reading order:
+
+- ``routing.py``  expert-sorted order of the (token, k) slots and the static tile schedule
+- ``forward.py``  gathered gate/up GEMM + SwiGLU, weighted down GEMM, reduction over k
+- ``backward.py`` dH (with the routing-weight gradient), dX, and the grouped weight gradients
+- ``op.py``       the ``torch.library`` custom ops, their autograd and the public :func:`mega_moe`
+- ``configs.py``  tile configs per shape (the tuning hooks)
+
+Importing this package registers the backend under the name ``"mega"``.
+"""
+
+from kernels.mega_moe.configs import MegaMoEConfigs, TileConfig, get_configs, override_configs
+from kernels.mega_moe.op import mega_moe
+
+__all__ = ["MegaMoEConfigs", "TileConfig", "get_configs", "mega_moe", "override_configs"]

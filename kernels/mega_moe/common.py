@@ -1,0 +1,106 @@
+"""Triton helpers shared by the forward and backward kernels of the mega-MoE op."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.mega_moe.configs import TileConfig, interpreting
+
+
+@triton.jit
+def mma(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """acc + a @ b with fp32 accumulation.
+
+    UPCAST: the Triton interpreter's ``tl.dot`` returns garbage for bf16/fp16 operands, so under
+    the interpreter both operands are upcast to fp32 first (exact, just slower).
+    IEEE: fp32 operands on the GPU would otherwise run as tf32; fp32 inputs ask for full precision.
+    """
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def tile_rows(table_ptr, offsets_ptr, num_tiles, pid_m, BLOCK_M: tl.constexpr):
+    """Rows of M-tile ``pid_m`` from the tile table: (expert, rows, row mask, safe rows).
+
+    ``expert`` is -1 for a surplus tile. ``safe_rows`` replaces rows past the expert's end by the
+    tile's first row so that unmasked loads of contiguous rows stay in bounds.
+    """
+    expert = tl.load(table_ptr + pid_m)
+    row0 = tl.load(table_ptr + num_tiles + pid_m)
+    row_end = tl.load(offsets_ptr + expert + 1, mask=expert >= 0, other=0)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    rmask = rows < row_end
+    safe_rows = tl.where(rmask, rows, row0)
+    return expert, rows, rmask, safe_rows
+
+
+def launch_flags(dtype: torch.dtype) -> dict:
+    """Constexpr flags every GEMM kernel takes: UPCAST (interpreter) and IEEE (fp32 inputs)."""
+    return dict(UPCAST=interpreting(), IEEE=dtype == torch.float32)
+
+
+def launch_options(cfg: TileConfig) -> dict:
+    return dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+@triton.jit
+def _sum_over_k_kernel(
+    buf_ptr,  # (T*K, D) per-slot rows, slot t*K+k
+    out_ptr,  # (T, D)
+    valid_ptr,  # (T*K,) int8: 0 for an empty slot (expert id -1), whose row was never written
+    K_TOP,
+    D,
+    K_POW2: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_EMPTY: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    k = tl.arange(0, K_POW2)
+    ptrs = buf_ptr + (t * K_TOP + k)[:, None] * D + d[None, :]
+    kmask = k < K_TOP
+    if HAS_EMPTY:
+        kmask = kmask & (tl.load(valid_ptr + t * K_TOP + k, mask=k < K_TOP, other=0) != 0)
+    mask = kmask[:, None] & (d < D)[None, :]
+    vals = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    # A fixed-order sum in registers: deterministic, unlike float atomics into out.
+    tl.store(out_ptr + t * D + d, tl.sum(vals, axis=0).to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+def sum_over_k(buf_ND: torch.Tensor, num_tokens: int, top_k: int, valid_N: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """out[t] = sum_k buf[t*K + k], accumulated in fp32, in the dtype of ``buf_ND``.
+
+    Args:
+        buf_ND: (T*K, D) rows written per (token, k) slot by a GEMM epilogue.
+        valid_N: optional (T*K,) int8, 0 for empty slots (expert id -1): their rows are skipped.
+    Returns:
+        (T, D) tensor.
+    """
+    D = buf_ND.shape[1]
+    out_TD = torch.empty((num_tokens, D), device=buf_ND.device, dtype=buf_ND.dtype)
+    if num_tokens == 0:
+        return out_TD
+    block_d = min(triton.next_power_of_2(D), 1024 if not interpreting() else 64)
+    _sum_over_k_kernel[(num_tokens, triton.cdiv(D, block_d))](
+        buf_ND, out_TD, valid_N if valid_N is not None else buf_ND, top_k, D,
+        K_POW2=triton.next_power_of_2(top_k), BLOCK_D=block_d, HAS_EMPTY=valid_N is not None, num_warps=4,
+    )
+    return out_TD
+
+
+def valid_slots(sorted_slot_N: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
+    """(N,) int8, 1 where the slot has an expert: empty slots (id -1) sort after the last expert's
+    rows, i.e. at rows >= offsets_E1[E]."""
+    N = sorted_slot_N.numel()
+    in_expert_N = (torch.arange(N, device=sorted_slot_N.device) < offsets_E1[-1]).to(torch.int8)
+    return torch.empty_like(in_expert_N).scatter(0, sorted_slot_N.long(), in_expert_N)

@@ -1,0 +1,119 @@
+"""Tile configurations of the mega-MoE kernels, chosen per problem shape from a small table.
+
+Each Triton kernel of the op takes its block sizes, warps and pipeline stages from a
+:class:`TileConfig`. :func:`get_configs` returns one per kernel for a shape ``(D, F, E)``; the
+benchmark (``bench/mega_moe_gpu.py``) times alternatives through :func:`override_configs` so that
+the table below can be updated from measurements on the H200 without touching the kernels.
+
+Kernel names (the keys of :class:`MegaMoEConfigs`):
+
+- ``gate_up``  forward, H = [x_g @ w1[e]^T | x_g @ w3[e]^T]      M = routed rows, N = F, K = D
+- ``down``     forward, Y_slot = s * (A @ w2[e]^T)                M = routed rows, N = D, K = F
+- ``dh``       backward, dA' = dy_g @ w2[e] then SwiGLU backward  M = routed rows, N = F, K = D
+- ``dx``       backward, dX_slot = dH @ [w1[e]; w3[e]]            M = routed rows, N = D, K = F
+- ``dw13``     backward, dW1/dW3[e] = dH_e^T @ x_e                M = F, N = D, K = rows of e
+- ``dw2``      backward, dW2[e] = dy_e^T @ (s * A)_e              M = D, N = F, K = rows of e
+
+For the M-tiled kernels (``gate_up``, ``down``, ``dh``, ``dx``) ``block_m`` is the row-tile of the
+routing schedule; for the weight-gradient kernels ``block_k`` is the row chunk of one expert.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Iterator
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 8
+    num_stages: int = 3
+    # dh only: 2 runs its SwiGLU-backward epilogue one column half at a time (fewer live registers).
+    epilogue_split: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class MegaMoEConfigs:
+    gate_up: TileConfig
+    down: TileConfig
+    dh: TileConfig
+    dx: TileConfig
+    dw13: TileConfig
+    dw2: TileConfig
+    # True: dW2 rebuilds s * A from H in its loads (no N x F buffer in the backward, slower).
+    dw2_from_h: bool = False
+
+
+# Best of the sweep in bench/mega_moe_gpu.py on one H200 (torch 2.11, triton 3.6); the same configs
+# won (or were within 5%) at both target shapes. dh needs its epilogue split in column halves to
+# run a 128x128 tile without spilling (1.9 -> 1.3 ms at 30B); four operand tiles per pipeline
+# stage (dx) need block_k 32 to fit 3 stages in the 227 KiB of shared memory.
+_GPU_DEFAULT = MegaMoEConfigs(
+    gate_up=TileConfig(128, 128, 64, 8, 4),
+    down=TileConfig(128, 256, 64, 8, 4),
+    dh=TileConfig(128, 128, 64, 8, 4, epilogue_split=2),
+    dx=TileConfig(128, 256, 32, 8, 3),
+    dw13=TileConfig(128, 64, 64, 8, 3),
+    dw2=TileConfig(128, 128, 64, 8, 3),
+)
+
+# Keyed on (D, F, E). Entries for the two target shapes; any other shape gets _GPU_DEFAULT.
+_GPU_TABLE: dict[tuple[int, int, int], MegaMoEConfigs] = {
+    (2048, 768, 128): _GPU_DEFAULT,  # Qwen3-30B-A3B
+    (4096, 1536, 128): _GPU_DEFAULT,  # Qwen3-235B-A22B
+}
+
+# The Triton interpreter runs each program as numpy code: small blocks keep it cheap and, with the
+# tiny test shapes (D 32 or 40, F 48), exercise partial tiles in every dimension, the masked K loop
+# included.
+_INTERPRET_DEFAULT = MegaMoEConfigs(
+    gate_up=TileConfig(16, 32, 32, 4, 1),
+    down=TileConfig(16, 32, 32, 4, 1),
+    dh=TileConfig(16, 32, 32, 4, 1, epilogue_split=2),
+    dx=TileConfig(16, 32, 32, 4, 1),
+    dw13=TileConfig(32, 32, 16, 4, 1),
+    dw2=TileConfig(32, 32, 16, 4, 1),
+)
+
+_OVERRIDE: MegaMoEConfigs | None = None
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run on CPU tensors through the interpreter (tests on CPU)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def get_configs(D: int, F: int, E: int, dtype: torch.dtype = torch.bfloat16) -> MegaMoEConfigs:
+    """Tile configs for a problem with model dim D, expert hidden F, E experts, activation dtype."""
+    if _OVERRIDE is not None:
+        return _OVERRIDE
+    if interpreting():
+        return _INTERPRET_DEFAULT
+    configs = _GPU_TABLE.get((D, F, E), _GPU_DEFAULT)
+    if dtype == torch.float32:
+        # fp32 tiles take twice the shared memory of bf16 ones: halve the K step to stay in it.
+        halve = {
+            f.name: dataclasses.replace(c, block_k=max(16, c.block_k // 2))
+            for f in dataclasses.fields(configs)
+            if isinstance(c := getattr(configs, f.name), TileConfig)
+        }
+        configs = dataclasses.replace(configs, **halve)
+    return configs
+
+
+@contextlib.contextmanager
+def override_configs(configs: MegaMoEConfigs) -> Iterator[None]:
+    """Use ``configs`` for every mega-MoE call inside the block (benchmarks; eager mode only)."""
+    global _OVERRIDE
+    previous, _OVERRIDE = _OVERRIDE, configs
+    try:
+        yield
+    finally:
+        _OVERRIDE = previous

@@ -1,0 +1,240 @@
+"""Forward kernels of the mega-MoE op: gathered gate/up GEMM with SwiGLU, weighted down GEMM.
+
+    H_N2F[r]   = [x[tok(r)] @ w1[e]^T | x[tok(r)] @ w3[e]^T]        (expert-sorted rows r)
+    A_NF[r]    = silu(H gate) * (H up)
+    Ybuf[slot] = s[slot] * A_NF[r] @ w2[e]^T                         (slot = sorted_slot[r])
+    y[t]       = sum_k Ybuf[t*K + k]                                 (fp32, fixed order)
+
+Both GEMMs are grouped over experts by the tile table of :mod:`kernels.mega_moe.routing`: a 1-D
+grid of ``max_tiles * n_tiles`` programs, program -> (M-tile, N-tile) with the N-tile fastest so
+that programs running together share their gathered A rows and their expert's weights in L2.
+x rows are gathered by token index inside the A-operand load; no N x D copy of x is made.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.mega_moe.common import launch_flags, launch_options, mma, sum_over_k, tile_rows, valid_slots
+from kernels.mega_moe.configs import MegaMoEConfigs, TileConfig
+from kernels.mega_moe.routing import max_tiles, sort_by_expert, tile_table
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr,  # (T, D)
+    w1_ptr,  # (E, F, D)
+    w3_ptr,  # (E, F, D)
+    h_ptr,  # (N, 2F) out: [gate | up], expert-sorted rows
+    a_ptr,  # (N, F) out: silu(gate) * up
+    sorted_slot_ptr,  # (N,) int32
+    offsets_ptr,  # (E+1,) int32
+    table_ptr,  # (2, num_tiles) int32
+    num_tiles,
+    K_TOP,
+    D,
+    F,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(F, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    expert, rows, rmask, _ = tile_rows(table_ptr, offsets_ptr, num_tiles, pid_m, BLOCK_M)
+    if expert < 0:
+        return
+
+    # Rows past the expert's end read token 0 (a valid row) and are dropped at the store, so the
+    # K loop needs no row mask.
+    slot = tl.load(sorted_slot_ptr + rows, mask=rmask, other=0)
+    tok = (slot // K_TOP).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n_ld = offs_n % F  # same trick for columns past F
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tok[:, None] * D + offs_k[None, :]
+    w_off = expert.to(tl.int64) * F * D + offs_n_ld[None, :] * D + offs_k[:, None]  # (BK, BN)
+    w1_ptrs = w1_ptr + w_off
+    w3_ptrs = w3_ptr + w_off
+
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(x_ptrs)
+            b1 = tl.load(w1_ptrs)
+            b3 = tl.load(w3_ptrs)
+        else:
+            kmask = offs_k + k0 < D
+            a = tl.load(x_ptrs, mask=kmask[None, :], other=0.0)
+            b1 = tl.load(w1_ptrs, mask=kmask[:, None], other=0.0)
+            b3 = tl.load(w3_ptrs, mask=kmask[:, None], other=0.0)
+        acc_g = mma(a, b1, acc_g, UPCAST, IEEE)
+        acc_u = mma(a, b3, acc_u, UPCAST, IEEE)
+        x_ptrs += BLOCK_K
+        w1_ptrs += BLOCK_K
+        w3_ptrs += BLOCK_K
+
+    dtype = h_ptr.dtype.element_ty
+    gate = acc_g.to(dtype)
+    up = acc_u.to(dtype)
+    rows64 = rows.to(tl.int64)
+    smask = rmask[:, None] & (offs_n < F)[None, :]
+    h_ptrs = h_ptr + rows64[:, None] * (2 * F) + offs_n[None, :]
+    tl.store(h_ptrs, gate, mask=smask)
+    tl.store(h_ptrs + F, up, mask=smask)
+    # A from the rounded gate/up, exactly what the backward recomputes from H.
+    g = gate.to(tl.float32)
+    act = g * tl.sigmoid(g) * up.to(tl.float32)
+    tl.store(a_ptr + rows64[:, None] * F + offs_n[None, :], act.to(dtype), mask=smask)
+
+
+@triton.jit
+def _down_kernel(
+    a_ptr,  # (N, F) expert-sorted rows
+    w2_ptr,  # (E, D, F)
+    s_ptr,  # (N,) fp32 routing weights by slot
+    ybuf_ptr,  # (N, D) out: by slot
+    sorted_slot_ptr,
+    offsets_ptr,
+    table_ptr,
+    num_tiles,
+    D,
+    F,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(D, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    expert, rows, rmask, safe_rows = tile_rows(table_ptr, offsets_ptr, num_tiles, pid_m, BLOCK_M)
+    if expert < 0:
+        return
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n_ld = offs_n % D
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + safe_rows.to(tl.int64)[:, None] * F + offs_k[None, :]
+    w_ptrs = w2_ptr + expert.to(tl.int64) * D * F + offs_n_ld[None, :] * F + offs_k[:, None]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, F, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(w_ptrs)
+        else:
+            kmask = offs_k + k0 < F
+            a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=kmask[:, None], other=0.0)
+        acc = mma(a, b, acc, UPCAST, IEEE)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    slot = tl.load(sorted_slot_ptr + rows, mask=rmask, other=0)
+    s = tl.load(s_ptr + slot, mask=rmask, other=0.0)
+    out = acc * s[:, None]
+    smask = rmask[:, None] & (offs_n < D)[None, :]
+    y_ptrs = ybuf_ptr + slot.to(tl.int64)[:, None] * D + offs_n[None, :]
+    tl.store(y_ptrs, out.to(ybuf_ptr.dtype.element_ty), mask=smask)
+
+
+def gate_up(
+    x_TD: torch.Tensor,
+    w1_EFD: torch.Tensor,
+    w3_EFD: torch.Tensor,
+    sorted_slot_N: torch.Tensor,
+    offsets_E1: torch.Tensor,
+    top_k: int,
+    cfg: TileConfig,
+    tiles: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gathered gate/up GEMM with SwiGLU epilogue.
+
+    Returns:
+        h_N2F: (N, 2F) [gate | up] in x's dtype, expert-sorted rows.
+        a_NF: (N, F) silu(gate) * up in x's dtype, expert-sorted rows.
+    """
+    T, D = x_TD.shape
+    E, F, _ = w1_EFD.shape
+    N = T * top_k
+    h_N2F = torch.empty((N, 2 * F), device=x_TD.device, dtype=x_TD.dtype)
+    a_NF = torch.empty((N, F), device=x_TD.device, dtype=x_TD.dtype)
+    if tiles is None:
+        tiles = tile_table(offsets_E1, N, cfg.block_m)
+    n_tiles = max_tiles(N, E, cfg.block_m)
+    _gate_up_kernel[(n_tiles * triton.cdiv(F, cfg.block_n),)](
+        x_TD, w1_EFD, w3_EFD, h_N2F, a_NF, sorted_slot_N, offsets_E1, tiles,
+        n_tiles, top_k, D, F,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=D % cfg.block_k == 0,
+        **launch_flags(x_TD.dtype), **launch_options(cfg),
+    )  # fmt: skip
+    return h_N2F, a_NF
+
+
+def down(
+    a_NF: torch.Tensor,
+    w2_EDF: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    sorted_slot_N: torch.Tensor,
+    offsets_E1: torch.Tensor,
+    cfg: TileConfig,
+    tiles: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Down GEMM whose epilogue scales by the routing weight and writes each row to its slot.
+
+    Returns:
+        ybuf_ND: (N, D) in a's dtype, row t*K+k holding s[t,k] * w2[e] @ A[row of (t, k)].
+    """
+    N, F = a_NF.shape
+    E, D, _ = w2_EDF.shape
+    ybuf_ND = torch.empty((N, D), device=a_NF.device, dtype=a_NF.dtype)
+    if tiles is None:
+        tiles = tile_table(offsets_E1, N, cfg.block_m)
+    n_tiles = max_tiles(N, E, cfg.block_m)
+    _down_kernel[(n_tiles * triton.cdiv(D, cfg.block_n),)](
+        a_NF, w2_EDF, topk_weights_TK, ybuf_ND, sorted_slot_N, offsets_E1, tiles,
+        n_tiles, D, F,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=F % cfg.block_k == 0,
+        **launch_flags(a_NF.dtype), **launch_options(cfg),
+    )  # fmt: skip
+    return ybuf_ND
+
+
+def moe_forward(
+    x_TD: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    w1_EFD: torch.Tensor,
+    w3_EFD: torch.Tensor,
+    w2_EDF: torch.Tensor,
+    configs: MegaMoEConfigs,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the forward pass. Inputs contiguous; x and weights one dtype; routing weights fp32.
+    Expert ids of -1 mark empty slots (expert parallelism's padding), which contribute nothing.
+
+    Returns:
+        y_TD: (T, D) in x's dtype.
+        h_N2F: (N, 2F) [gate | up] pre-activations, expert-sorted rows, x's dtype (for backward).
+        sorted_slot_N: (N,) int32, offsets_E1: (E+1,) int32 (see ``routing.sort_by_expert``).
+    """
+    T, K = topk_ids_TK.shape
+    E = w1_EFD.shape[0]
+    sorted_slot_N, offsets_E1 = sort_by_expert(topk_ids_TK, E)
+    tiles = tile_table(offsets_E1, T * K, configs.gate_up.block_m)
+    h_N2F, a_NF = gate_up(x_TD, w1_EFD, w3_EFD, sorted_slot_N, offsets_E1, K, configs.gate_up, tiles)
+    if configs.down.block_m != configs.gate_up.block_m:
+        tiles = None
+    ybuf_ND = down(a_NF, w2_EDF, topk_weights_TK, sorted_slot_N, offsets_E1, configs.down, tiles)
+    y_TD = sum_over_k(ybuf_ND, T, K, valid_slots(sorted_slot_N, offsets_E1))
+    return y_TD, h_N2F, sorted_slot_N, offsets_E1

@@ -1,0 +1,262 @@
+"""Tests of the ``mega`` MoE backend (kernels/mega_moe) against the plain-PyTorch oracle.
+
+Without a GPU the Triton kernels run on CPU tensors through the Triton interpreter, in float32 at
+tiny shapes (D 32/40, F 48: partial tiles everywhere). With a GPU the same checks run in bfloat16 at
+a medium shape. Inputs are fresh random draws each run; the seed is in every failure message.
+"""
+
+import dataclasses
+import os
+
+import torch
+
+# The interpreter must be chosen before triton is imported (triton.jit reads it at decoration);
+# importing torch does not import triton.
+_HAS_CUDA = torch.cuda.is_available()
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from kernels import get_moe_backend  # noqa: E402
+from kernels.moe_reference import moe_reference  # noqa: E402
+
+triton = pytest.importorskip("triton")
+from kernels.mega_moe import get_configs, mega_moe, override_configs  # noqa: E402
+from kernels.mega_moe import forward as _fwd_module  # noqa: E402
+from kernels.mega_moe.routing import max_tiles, sort_by_expert, tile_table  # noqa: E402
+
+if not _HAS_CUDA and not type(_fwd_module._gate_up_kernel).__name__ == "InterpretedFunction":
+    pytest.skip(
+        "kernels.mega_moe was imported before TRITON_INTERPRET=1 was set (another test module?); "
+        "run this file alone or export TRITON_INTERPRET=1",
+        allow_module_level=True,
+    )
+
+DEVICE = "cuda" if _HAS_CUDA else "cpu"
+
+# triton 3.6's interpreter converts 1-element arrays to scalars, which numpy deprecates.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+
+def _seed() -> int:
+    seed = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    return seed
+
+
+def _routing(T, K, E, kind, device=DEVICE):
+    """(topk_ids_TK int64, topk_weights_TK fp32) for a routing pattern named by ``kind``."""
+    if kind == "random":  # distinct experts per token, as a top-k router gives
+        ids = torch.rand(T, E, device=device).argsort(dim=1)[:, :K]
+    elif kind == "empty_expert":  # experts 0 and E-1 receive nothing
+        ids = 1 + torch.rand(T, E - 2, device=device).argsort(dim=1)[:, :K]
+    elif kind == "one_expert":  # every slot goes to one expert (ids may repeat within a token)
+        ids = torch.full((T, K), E // 2, device=device, dtype=torch.int64)
+    else:
+        raise ValueError(kind)
+    weights = torch.randn(T, K, device=device).softmax(dim=-1)
+    return ids.contiguous(), weights
+
+
+def _weights(E, D, F, dtype, device=DEVICE):
+    w1 = torch.randn(E, F, D, device=device, dtype=dtype) / D**0.5
+    w3 = torch.randn(E, F, D, device=device, dtype=dtype) / D**0.5
+    w2 = torch.randn(E, D, F, device=device, dtype=dtype) / F**0.5
+    return w1, w3, w2
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _check_against_reference(T, K, E, D, F, kind, dtype, rtol, seed):
+    x = torch.randn(T, D, device=DEVICE, dtype=dtype)
+    ids, s = _routing(T, K, E, kind)
+    w1, w3, w2 = _weights(E, D, F, dtype)
+    dy = torch.randn(T, D, device=DEVICE, dtype=dtype)
+
+    leaves = [t.clone().requires_grad_() for t in (x, s, w1, w3, w2)]
+    y = mega_moe(leaves[0], ids, *leaves[1:])
+    grads = torch.autograd.grad(y, leaves, dy)
+
+    ref_leaves = [t.detach().double().requires_grad_() for t in (x, s, w1, w3, w2)]
+    y_ref = moe_reference(ref_leaves[0], ids, *ref_leaves[1:])
+    ref_grads = torch.autograd.grad(y_ref, ref_leaves, dy.double())
+
+    assert y.dtype == dtype and y.shape == (T, D)
+    msg = f"seed={seed} T={T} K={K} E={E} D={D} F={F} kind={kind} dtype={dtype}"
+    assert _rel(y, y_ref) < rtol, f"y: rel err {_rel(y, y_ref):.2e}; {msg}"
+    for name, g, g_ref in zip(("x", "topk_weights", "w1", "w3", "w2"), grads, ref_grads):
+        assert g.dtype == leaves[("x", "topk_weights", "w1", "w3", "w2").index(name)].dtype
+        assert torch.isfinite(g).all(), f"d{name} not finite; {msg}"
+        assert _rel(g, g_ref) < rtol, f"d{name}: rel err {_rel(g, g_ref):.2e}; {msg}"
+
+    # Experts that receive no rows get exactly zero weight gradients.
+    counts = torch.bincount(ids.flatten(), minlength=E)
+    for e in torch.nonzero(counts == 0).flatten().tolist():
+        for name, g in zip(("w1", "w3", "w2"), grads[2:]):
+            assert (g[e] == 0).all(), f"d{name}[{e}] of an empty expert is not zero; {msg}"
+
+
+# (T, K, E, D, F, routing)
+_INTERP_CASES = [
+    pytest.param(1, 1, 4, 32, 48, "random", id="T1-top1"),
+    pytest.param(7, 2, 4, 40, 48, "empty_expert", id="T7-top2-emptyexperts-D40"),
+    pytest.param(33, 1, 4, 32, 48, "one_expert", id="T33-top1-all-to-one"),
+    pytest.param(33, 2, 6, 40, 48, "random", id="T33-top2-D40"),
+    pytest.param(17, 3, 5, 32, 48, "one_expert", id="T17-top3-all-to-one-repeated-ids"),
+    pytest.param(33, 8, 8, 32, 48, "random", id="T33-top8"),
+]
+
+
+@pytest.mark.skipif(_HAS_CUDA, reason="interpreter cases run on CPU only; GPU cases below")
+@pytest.mark.parametrize("T,K,E,D,F,kind", _INTERP_CASES)
+def test_forward_backward_fp32_interpreter(T, K, E, D, F, kind):
+    _check_against_reference(T, K, E, D, F, kind, torch.float32, 1e-5, _seed())
+
+
+@pytest.mark.skipif(_HAS_CUDA, reason="interpreter case")
+def test_forward_backward_bf16_interpreter():
+    """bf16 storage under the interpreter: exercises the fp32 upcast of dot operands (UPCAST)."""
+    _check_against_reference(7, 2, 4, 32, 48, "random", torch.bfloat16, 2e-2, _seed())
+
+
+@pytest.mark.skipif(not _HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize(
+    "T,K,E,D,F,kind",
+    [
+        (512, 8, 16, 256, 384, "random"),
+        (300, 4, 16, 256, 200, "empty_expert"),
+        (257, 2, 8, 136, 256, "one_expert"),
+        (1, 1, 4, 128, 64, "random"),
+    ],
+)
+def test_forward_backward_bf16_gpu(T, K, E, D, F, kind):
+    _check_against_reference(T, K, E, D, F, kind, torch.bfloat16, 2e-2, _seed())
+
+
+@pytest.mark.skipif(not _HAS_CUDA, reason="needs CUDA")
+def test_forward_backward_fp32_gpu():
+    _check_against_reference(100, 4, 8, 96, 80, "random", torch.float32, 1e-5, _seed())
+
+
+def test_dw2_rebuilt_from_h():
+    """The alternative dW2 path that rebuilds s * A from H inside its loads (dw2_from_h=True)."""
+    T, K, E, D, F = (7, 2, 4, 32, 48) if not _HAS_CUDA else (300, 4, 16, 256, 200)
+    dtype, tol = (torch.float32, 1e-5) if not _HAS_CUDA else (torch.bfloat16, 2e-2)
+    configs = dataclasses.replace(get_configs(D, F, E, dtype), dw2_from_h=True)
+    with override_configs(configs):
+        _check_against_reference(T, K, E, D, F, "empty_expert", dtype, tol, _seed())
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_dh_epilogue_split(split):
+    """The dH kernel's epilogue done whole or one column half at a time."""
+    T, K, E, D, F = (7, 2, 4, 32, 48) if not _HAS_CUDA else (300, 4, 16, 256, 200)
+    dtype, tol = (torch.float32, 1e-5) if not _HAS_CUDA else (torch.bfloat16, 2e-2)
+    configs = get_configs(D, F, E, dtype)
+    configs = dataclasses.replace(configs, dh=dataclasses.replace(configs.dh, epilogue_split=split))
+    with override_configs(configs):
+        _check_against_reference(T, K, E, D, F, "random", dtype, tol, _seed())
+
+
+@pytest.mark.parametrize("T,K,E,kind", [(7, 2, 4, "empty_expert"), (33, 8, 8, "random"), (20, 1, 3, "one_expert")])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_routing_metadata(T, K, E, kind, block_m):
+    seed = _seed()
+    ids, _ = _routing(T, K, E, kind)
+    N = T * K
+    sorted_slot, offsets = sort_by_expert(ids, E)
+    ids_N = ids.flatten().cpu()
+    counts = torch.bincount(ids_N, minlength=E)
+    # Stable order: by expert, then by slot.
+    expected_order = sorted(range(N), key=lambda n: (ids_N[n].item(), n))
+    assert sorted_slot.dtype == torch.int32 and offsets.dtype == torch.int32
+    assert sorted_slot.cpu().tolist() == expected_order, f"seed={seed}"
+    assert offsets.cpu().tolist() == [0] + counts.cumsum(0).tolist(), f"seed={seed}"
+
+    table = tile_table(offsets, N, block_m).cpu()
+    assert table.shape == (2, max_tiles(N, E, block_m)) == (2, N // block_m + E)
+    expected = [(e, start) for e in range(E) for start in range(offsets[e].item(), offsets[e + 1].item(), block_m)]
+    expected += [(-1, 0)] * (table.shape[1] - len(expected))
+    assert list(zip(table[0].tolist(), table[1].tolist())) == expected, f"seed={seed}"
+
+
+def test_deterministic():
+    seed = _seed()
+    T, K, E, D, F = (33, 4, 8, 32, 48) if not _HAS_CUDA else (2048, 8, 32, 512, 384)
+    dtype = torch.float32 if not _HAS_CUDA else torch.bfloat16
+    x = torch.randn(T, D, device=DEVICE, dtype=dtype)
+    ids, s = _routing(T, K, E, "random")
+    ws = _weights(E, D, F, dtype)
+    dy = torch.randn(T, D, device=DEVICE, dtype=dtype)
+    outs = []
+    for _ in range(2):
+        leaves = [t.clone().requires_grad_() for t in (x, s, *ws)]
+        y = mega_moe(leaves[0], ids, *leaves[1:])
+        outs.append([y, *torch.autograd.grad(y, leaves, dy)])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b), f"seed={seed}"
+
+
+def test_compile_fullgraph():
+    """One node each way under torch.compile(fullgraph=True): no graph break, same numbers."""
+    seed = _seed()
+    T, K, E, D, F = 9, 2, 4, 32, 48
+    dtype = torch.float32 if not _HAS_CUDA else torch.bfloat16
+    x = torch.randn(T, D, device=DEVICE, dtype=dtype)
+    ids, s = _routing(T, K, E, "random")
+    ws = _weights(E, D, F, dtype)
+
+    def layer(x, ids, s, w1, w3, w2):
+        return get_moe_backend("mega")(x * 2.0, ids, s, w1, w3, w2).float().square().sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="aot_eager" if not _HAS_CUDA else "inductor", fullgraph=True)
+    results = []
+    for fn in (layer, compiled):
+        leaves = [t.clone().requires_grad_() for t in (x, s, *ws)]
+        loss = fn(leaves[0], ids, *leaves[1:])
+        results.append([loss, *torch.autograd.grad(loss, leaves)])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=lambda m: f"seed={seed}: {m}")
+
+
+def test_backend_registered():
+    assert get_moe_backend("mega") is mega_moe
+
+
+def _good_inputs(dtype=torch.float32, device=DEVICE):
+    T, K, E, D, F = 3, 2, 4, 32, 48
+    ids, s = _routing(T, K, E, "random", device=device)
+    return [torch.randn(T, D, device=device, dtype=dtype), ids, s, *_weights(E, D, F, dtype, device=device)]
+
+
+@pytest.mark.parametrize(
+    "change,error,pattern",
+    [
+        (lambda a: a.__setitem__(0, a[0].double()), TypeError, "x_TD has dtype torch.float64"),
+        (lambda a: a.__setitem__(0, a[0][None]), ValueError, "x_TD must be 2-D"),
+        (lambda a: a.__setitem__(1, a[1].float()), TypeError, "topk_ids_TK must be int32 or int64"),
+        (lambda a: a.__setitem__(1, a[1][:2]), ValueError, "topk_ids_TK must have shape"),
+        (lambda a: a.__setitem__(2, a[2][:, :1]), ValueError, "topk_weights_TK must have the shape"),
+        (lambda a: a.__setitem__(3, a[3][:, :, :16]), ValueError, "w1_EFD must have shape"),
+        (lambda a: a.__setitem__(4, a[4][:3]), ValueError, "w3_EFD must have the shape"),
+        (lambda a: a.__setitem__(5, a[5].transpose(1, 2)), ValueError, "w2_EDF must have shape"),
+        (lambda a: a.__setitem__(5, a[5].half()), TypeError, "w2_EDF has dtype torch.float16"),
+    ],
+)
+def test_input_errors(change, error, pattern):
+    args = _good_inputs()
+    change(args)
+    with pytest.raises(error, match=pattern):
+        mega_moe(*args)
+
+
+def test_cpu_without_interpreter_is_refused(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="needs a CUDA device.*TRITON_INTERPRET=1"):
+        mega_moe(*_good_inputs(device="cpu"))
