@@ -61,10 +61,13 @@ CASES = [
 def test_backend_matches_reference(backend, T, D, F, E, K, kind):
     x, ids, w, w1, w3, w2 = make_inputs(T, D, F, E, K, kind)
     dy = torch.randn(T, D)
+    if backend == "mega" and torch.cuda.is_available():  # Triton runs on the GPU there, not interpreted
+        x, ids, w, w1, w3, w2, dy = (t.cuda() for t in (x, ids, w, w1, w3, w2, dy))
     ref_y, ref_grads = run_with_grads(moe_reference, x, ids, w, w1, w3, w2, dy, torch.float64)
     y, grads = run_with_grads(kernels.get_moe_backend(backend), x, ids, w, w1, w3, w2, dy, torch.float32)
     assert y.dtype == torch.float32
     torch.testing.assert_close(y.double(), ref_y, rtol=1e-4, atol=1e-5)
+    assert y.device == x.device
     for name, g, rg in zip(["x", "topk_weights", "w1", "w3", "w2"], grads, ref_grads):
         torch.testing.assert_close(g.double(), rg, rtol=1e-4, atol=1e-5, msg=lambda m: f"d{name}: {m}")
     if kind == "one_expert_empty":
