@@ -44,6 +44,7 @@ _LAZY_MODULES: dict[str, str] = {
     "torch": "kernels.moe_reference",
     "grouped_mm": "kernels.grouped_mm",
     "mega": "kernels.mega_moe",
+    "torchtitan": "kernels.torchtitan_moe",  # upstream TorchTitan's own code: pip install ".[baseline]"
 }
 
 

@@ -112,14 +112,25 @@ def test_unknown_backend_lists_registered():
         kernels.get_moe_backend("nope")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def gpu_backend(name: str):
+    """The backend, or a skip when this machine cannot run it (no GPU, optional package missing)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    try:
+        return kernels.get_moe_backend(name)
+    except ImportError as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.parametrize("backend", ["grouped_mm", "mega", "torchtitan"])
 @pytest.mark.parametrize("T,D,F,E,K,kind", [(1000, 256, 384, 16, 4, "random"), (513, 256, 384, 16, 8, "all_on_first"),
                                             (300, 256, 384, 16, 2, "one_expert_empty")])
-def test_grouped_mm_bf16_cuda(T, D, F, E, K, kind):
+def test_backend_bf16_cuda(backend, T, D, F, E, K, kind):
+    fn = gpu_backend(backend)
     x, ids, w, w1, w3, w2 = [t.cuda() for t in make_inputs(T, D, F, E, K, kind)]
     dy = torch.randn(T, D, device="cuda")
     ref_y, ref_grads = run_with_grads(moe_reference, x, ids, w, w1, w3, w2, dy, torch.float64)
-    y, grads = run_with_grads(kernels.get_moe_backend("grouped_mm"), x, ids, w, w1, w3, w2, dy, torch.bfloat16)
+    y, grads = run_with_grads(fn, x, ids, w, w1, w3, w2, dy, torch.bfloat16)
     assert y.dtype == torch.bfloat16
     # bf16 rounds each element by up to 2^-8 relative: compare whole tensors by relative norm.
     for name, got, want in zip(["y", "dx", "dtopk_weights", "dw1", "dw3", "dw2"], [y, *grads], [ref_y, *ref_grads]):
