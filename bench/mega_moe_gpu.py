@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import time
 import traceback
 
 import torch
 import torch.nn.functional as F
 
+from bench.timing import time_ms
 from kernels import get_moe_backend
 from kernels.mega_moe import MegaMoEConfigs, TileConfig, get_configs, mega_moe, override_configs
 from kernels.mega_moe import backward as mb
@@ -60,22 +60,6 @@ KERNEL_FLOPS = {"gate_up": 4, "down": 2, "dh": 2, "dx": 4, "dw13": 4, "dw2": 2}
 
 def log(*args) -> None:
     print(*args, flush=True)
-
-
-def time_ms(fn, iters: int, warmup: int = 3) -> float:
-    """Median over ``iters`` runs of fn, in ms, each run timed with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def make_inputs(T, D, F, E, K, dtype=torch.bfloat16, seed=0):

@@ -22,30 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 
 import torch
 
+from bench.timing import time_ms
 from kernels import get_moe_backend
 from kernels.moe_reference import moe_reference
 
 SHAPES = {"30B": dict(D=2048, F=768, E=128, K=8), "235B": dict(D=4096, F=1536, E=128, K=8)}
-
-
-def time_ms(fn, iters: int, warmup: int = 3) -> float:
-    """Median of ``iters`` runs of ``fn`` in ms, each timed with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def routing(T: int, E: int, K: int, kind: str, gen: torch.Generator, device) -> torch.Tensor:
