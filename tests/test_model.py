@@ -148,3 +148,18 @@ def test_meta_init_is_deterministic():
     a, b = build_debug(n_layers=1), build_debug(n_layers=1)
     for (n, p), (_, q) in zip(a.state_dict().items(), b.state_dict().items()):
         assert torch.equal(p, q), n
+
+
+def test_attention_backend_choice_gives_the_same_output():
+    tokens = torch.randint(0, 2048, (2, 16))
+    auto = build_debug(n_layers=1)
+    with torch.device("meta"):
+        pinned = Qwen3MoE(auto.args, moe_backend="grouped_mm", attention_backend="math")
+    pinned.to_empty(device="cpu")
+    pinned.load_state_dict(auto.state_dict())
+    # Same weights; the RoPE tables are buffers outside the state dict.
+    pinned.rope_cos.copy_(auto.rope_cos)
+    pinned.rope_sin.copy_(auto.rope_sin)
+    torch.testing.assert_close(pinned(tokens)[0], auto(tokens)[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
+        Qwen3MoE(auto.args, attention_backend="fast")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from models.moe.moe import MoE, depth_init_std
 from models.moe.router import router_aux_loss
@@ -55,9 +56,22 @@ def apply_rope(x_BLHd: torch.Tensor, cos_Ld: torch.Tensor, sin_Ld: torch.Tensor)
     return (x_BLHd.float() * cos + rotated.float() * sin).to(x_BLHd.dtype)
 
 
+# SDPA kernel preference per ``[model] attention_backend``; "auto" leaves the choice to SDPA. A
+# preferred kernel that cannot run a given call falls through to the next in the list.
+ATTENTION_BACKENDS = {
+    "auto": None,
+    "cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+    "flash": [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+    "math": [SDPBackend.MATH],
+}
+
+
 class Attention(nn.Module):
-    def __init__(self, args: Qwen3MoEArgs):
+    def __init__(self, args: Qwen3MoEArgs, attention_backend: str = "auto"):
         super().__init__()
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention backend {attention_backend!r}; known: {', '.join(ATTENTION_BACKENDS)}")
+        self.sdpa_backends = ATTENTION_BACKENDS[attention_backend]
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
@@ -73,9 +87,13 @@ class Attention(nn.Module):
         k = self.k_norm(self.wk(x_BLD).view(B, L, self.n_kv_heads, self.head_dim))
         v = self.wv(x_BLD).view(B, L, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos_Ld, sin_Ld), apply_rope(k, cos_Ld, sin_Ld)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-            enable_gqa=self.n_heads != self.n_kv_heads)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        gqa = self.n_heads != self.n_kv_heads
+        if self.sdpa_backends is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            with sdpa_kernel(self.sdpa_backends, set_priority=True):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(B, L, self.n_heads * self.head_dim))
 
     def reset_parameters(self, init_std: float, out_init_std: float) -> None:
@@ -87,11 +105,12 @@ class Attention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, layer_id: int, args: Qwen3MoEArgs, moe_backend: str, use_expert_bias: bool):
+    def __init__(self, layer_id: int, args: Qwen3MoEArgs, moe_backend: str, use_expert_bias: bool,
+                 attention_backend: str = "auto"):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = Attention(args, attention_backend)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.moe = MoE(args.dim, args.moe_inter_dim, args.num_experts, args.top_k, args.norm_topk_prob,
                        moe_backend, use_expert_bias)
@@ -111,13 +130,15 @@ class TransformerBlock(nn.Module):
 
 
 class Qwen3MoE(nn.Module):
-    def __init__(self, args: Qwen3MoEArgs, moe_backend: str = "grouped_mm", use_expert_bias: bool = False):
+    def __init__(self, args: Qwen3MoEArgs, moe_backend: str = "grouped_mm", use_expert_bias: bool = False,
+                 attention_backend: str = "auto"):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A ModuleDict keyed by index keeps FQNs stable when blocks are wrapped (AC, compile, FSDP).
         self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(i, args, moe_backend, use_expert_bias) for i in range(args.n_layers)})
+            {str(i): TransformerBlock(i, args, moe_backend, use_expert_bias, attention_backend)
+             for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         cos, sin = rope_cos_sin(args.head_dim, args.max_seq_len, args.rope_theta)
