@@ -1,0 +1,66 @@
+"""GPU timings of the FP8 building blocks at the Qwen3 expert shapes (run on the H200).
+
+    python -m bench.fp8_kernels            # both shapes, T = 16384, top-8, E = 128
+
+Prints time, TFLOP/s (GEMMs, counting only routed rows) and GB/s (quantization: bytes read +
+written). The GEMM block sizes are untuned first guesses (see grouped_gemm._block_sizes).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from kernels.fp8 import grouped_gemm as G
+from kernels.fp8 import quant as Q
+from kernels.mega_moe.routing import sort_by_expert, tile_table
+
+SHAPES = {"30B-A3B": (2048, 768), "235B-A22B": (4096, 1536)}
+
+
+def _ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def main(T: int = 16384, top_k: int = 8, E: int = 128) -> None:
+    dev = "cuda"
+    for name, (D, F) in SHAPES.items():
+        N = T * top_k
+        x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
+        w1 = (torch.randn(E, F, D, device=dev) * 0.02).to(torch.bfloat16)
+        w3 = (torch.randn(E, F, D, device=dev) * 0.02).to(torch.bfloat16)
+        w2 = (torch.randn(E, D, F, device=dev) * 0.02).to(torch.bfloat16)
+        ids = torch.rand(T, E, device=dev).argsort(dim=1)[:, :top_k]
+        slots, offs = sort_by_expert(ids, E)
+        tiles = tile_table(offs, N, 128)
+        rows = []
+
+        def q(label, fn, nbytes):
+            ms = _ms(fn)
+            rows.append(f"{name:10s} {label:34s} {ms:8.3f} ms {nbytes / ms / 1e6:8.0f} GB/s")
+
+        def g(label, fn, flops):
+            ms = _ms(fn)
+            rows.append(f"{name:10s} {label:34s} {ms:8.3f} ms {flops / ms / 1e9:8.0f} TFLOP/s")
+
+        q("quantize_rowwise x (T,D)", lambda: Q.quantize_rowwise(x), T * D * 3)
+        q("quantize_dual x (T,D)", lambda: Q.quantize_dual(x), T * D * 4)
+        q("quantize_cols_grouped x gathered", lambda: Q.quantize_cols_grouped(x, offs, slots, top_k, tiles=tiles), N * D * 3)
+        q("quantize_weight w1 (E,F,D)", lambda: Q.quantize_weight(w1), E * F * D * 3)
+        xq, xs = Q.quantize_rowwise(x)
+        w1q, w1s = Q.quantize_weight(w1)
+        w3q, w3s = Q.quantize_weight(w3)
+        w2q, w2s = Q.quantize_weight(w2)
+        g("gate_up + SwiGLU (+quant A)", lambda: G.fp8_gate_up_swiglu(
+            xq, xs, w1q, w1s, w3q, w3s, slots, offs, top_k, quantize_a=True, tiles=tiles), 2 * N * D * 2 * F)
+        _, a, (aq, as_) = G.fp8_gate_up_swiglu(xq, xs, w1q, w1s, w3q, w3s, slots, offs, top_k, quantize_a=True)
+        g("down (A sorted)", lambda: G.fp8_grouped_gemm(aq, as_, w2q, w2s, offs, tiles=tiles), 2 * N * F * D)
+        dh = torch.randn(N, F, device=dev, dtype=torch.bfloat16)
+        atq, ats = Q.quantize_cols_grouped(dh, offs, tiles=tiles)
+        btq, bts = Q.quantize_cols_grouped(x, offs, slots, top_k, tiles=tiles)
+        g("wgrad dW1 = dH^T x (K-grouped)", lambda: G.fp8_wgrad(atq, ats, btq, bts, offs), 2 * N * F * D)
+        print("\n".join(rows), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,517 @@
+"""FP8 (e4m3, block-scaled) grouped GEMMs over the expert-sorted rows of the MoE, with references.
+
+Operands come from :mod:`kernels.fp8.quant`: A in 1 x 128 tiles along K, B (expert weights) in
+128 x 128 blocks, the wgrad operands in 128 x 1 tiles along the token dim. The K loop steps one
+scale block (128) at a time and applies the scales to the fp32 accumulator per step::
+
+    acc += dot(a_fp8, b_fp8) * a_scale[:, None] * b_scale[None, :]
+
+so each ``dot`` spans exactly one scale block. On Hopper this is also the accumulator promotion
+DeepSeek-V3 prescribes: the FP8 tensor cores accumulate with ~14 mantissa bits, and summing each
+128-long partial into fp32 registers bounds that error (Triton lowers each 128-K dot to a few
+wgmma steps).
+
+The schedule is the static tile table of :mod:`kernels.mega_moe.routing` (no host sync): a 1-D grid
+of ``max_tiles * n_tiles`` programs, program -> (M-tile, N-tile), N-tile fastest; surplus tiles exit.
+
+Ops:
+
+- :func:`fp8_grouped_gemm`   out[r] = A[src(r)] @ B[e(r)]^T, src(r) = sorted_slot[r] // top_k when
+                             gathering (gate/up input, dgrad of the down GEMM) or r (down, dgrad).
+- :func:`fp8_gate_up_swiglu` the gate/up GEMM with w1 and w3 and the SwiGLU epilogue of
+                             ``kernels/mega_moe/forward.py``; optionally writes A quantized (1 x 128)
+                             for the down GEMM.
+- :func:`fp8_wgrad`          dW[e] = dY_e^T @ X_e over each expert's rows (K-grouped), operands
+                             quantized along the token dim by :func:`quant.quantize_cols_grouped`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.fp8.quant import (
+    FP8,
+    TILE,
+    dequantize_rowwise_ref,
+    dequantize_weight_ref,
+    group_tile_offsets,
+    cast_out,
+    interpreting,
+    quantize_tile,
+    scale_from_amax,
+    to_e4m3_bits,
+)
+from kernels.mega_moe.routing import max_tiles, tile_table
+
+
+def _block_sizes(block_m: int | None, block_n: int | None) -> tuple[int, int]:
+    # GPU defaults are untuned first guesses (the bf16 gate_up config); the interpreter gets small
+    # tiles so the tests' partial tiles are exercised and stay fast.
+    if interpreting():
+        return block_m or 16, block_n or 32
+    return block_m or 128, block_n or 128
+
+
+def _check_fp8(t: torch.Tensor, ndim: int, name: str) -> None:
+    if t.dtype != FP8:
+        raise TypeError(f"{name}: expected torch.float8_e4m3fn, got {t.dtype}")
+    if t.dim() != ndim or not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous {ndim}-D tensor, got shape {tuple(t.shape)}")
+
+
+def _check_scales(s: torch.Tensor, shape: tuple[int, ...], name: str) -> None:
+    if s.dtype != torch.float32 or tuple(s.shape) != shape or not s.is_contiguous():
+        raise ValueError(f"{name}: expected contiguous fp32 scales of shape {shape}, got {s.dtype} {tuple(s.shape)}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Forward / dgrad: M-tiled over expert-sorted rows
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _a_rows(sorted_slot_ptr, rows, rmask, row0, K_TOP, GATHER: tl.constexpr):
+    """Source rows of A for GEMM rows ``rows``; rows past the expert's end read a valid row."""
+    if GATHER:
+        slot = tl.load(sorted_slot_ptr + rows, mask=rmask, other=0)
+        src = slot // K_TOP
+    else:
+        src = tl.where(rmask, rows, row0)
+    return src.to(tl.int64)
+
+
+@triton.jit
+def _scaled_kstep(a_ptrs, b_ptrs, as_ptrs, bs_ptrs, acc, kb, K, offs_k, EVEN_K: tl.constexpr):
+    """acc + dot(A_kb, B_kb) * sa * sb for scale block kb (pointers already at block kb)."""
+    if EVEN_K:
+        a = tl.load(a_ptrs)
+        b = tl.load(b_ptrs)
+    else:
+        kmask = offs_k + kb * 128 < K
+        a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
+    sa = tl.load(as_ptrs)
+    sb = tl.load(bs_ptrs)
+    return acc + tl.dot(a, b) * sa[:, None] * sb[None, :]
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    a_ptr,  # (T or Nr, K) e4m3
+    as_ptr,  # (T or Nr, KB) fp32
+    b_ptr,  # (E, N, K) e4m3
+    bs_ptr,  # (E, NB, KB) fp32
+    out_ptr,  # (Nr, N)
+    sorted_slot_ptr,  # (Nr,) int32 (read if GATHER)
+    offsets_ptr,  # (E+1,) int32
+    table_ptr,  # (2, num_tiles) int32
+    num_tiles,
+    K_TOP,
+    N,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GATHER: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    SOFT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    expert = tl.load(table_ptr + pid_m)
+    if expert < 0:
+        return
+    row0 = tl.load(table_ptr + num_tiles + pid_m)
+    row_end = tl.load(offsets_ptr + expert + 1)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    rmask = rows < row_end
+    src = _a_rows(sorted_slot_ptr, rows, rmask, row0, K_TOP, GATHER)
+
+    KB = tl.cdiv(K, 128)
+    NB = tl.cdiv(N, 128)
+    e64 = expert.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n_ld = offs_n % N  # columns past N load a valid column, dropped at the store
+    offs_k = tl.arange(0, 128)
+    a_ptrs = a_ptr + src[:, None] * K + offs_k[None, :]
+    b_ptrs = b_ptr + e64 * N * K + offs_n_ld.to(tl.int64)[None, :] * K + offs_k[:, None]  # (128, BN)
+    as_ptrs = as_ptr + src * KB
+    bs_ptrs = bs_ptr + (e64 * NB + offs_n_ld // 128) * KB
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, KB):
+        acc = _scaled_kstep(a_ptrs, b_ptrs, as_ptrs, bs_ptrs, acc, kb, K, offs_k, EVEN_K)
+        a_ptrs += 128
+        b_ptrs += 128
+        as_ptrs += 1
+        bs_ptrs += 1
+
+    smask = rmask[:, None] & (offs_n < N)[None, :]
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * N + offs_n[None, :]
+    tl.store(out_ptrs, cast_out(acc, out_ptr.dtype.element_ty, SOFT), mask=smask)
+
+
+@triton.jit
+def _fp8_gate_up_kernel(
+    x_ptr,  # (T, D) e4m3
+    xs_ptr,  # (T, DB) fp32
+    w1_ptr,  # (E, F, D) e4m3
+    w1s_ptr,  # (E, FB, DB) fp32
+    w3_ptr,
+    w3s_ptr,
+    h_ptr,  # (Nr, 2F) out: [gate | up]
+    a_ptr,  # (Nr, F) out: silu(gate) * up
+    aq_ptr,  # (Nr, F) uint8 out: A in e4m3 (if QUANT_A)
+    as_out_ptr,  # (Nr, FB) fp32 out (if QUANT_A)
+    sorted_slot_ptr,
+    offsets_ptr,
+    table_ptr,
+    num_tiles,
+    K_TOP,
+    D,
+    F,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    QUANT_A: tl.constexpr,
+    POW2: tl.constexpr,
+    SOFT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(F, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    expert = tl.load(table_ptr + pid_m)
+    if expert < 0:
+        return
+    row0 = tl.load(table_ptr + num_tiles + pid_m)
+    row_end = tl.load(offsets_ptr + expert + 1)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    rmask = rows < row_end
+    src = _a_rows(sorted_slot_ptr, rows, rmask, row0, K_TOP, True)
+
+    DB = tl.cdiv(D, 128)
+    FB = tl.cdiv(F, 128)
+    e64 = expert.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n_ld = offs_n % F
+    offs_k = tl.arange(0, 128)
+    x_ptrs = x_ptr + src[:, None] * D + offs_k[None, :]
+    w_off = e64 * F * D + offs_n_ld.to(tl.int64)[None, :] * D + offs_k[:, None]
+    ws_off = (e64 * FB + offs_n_ld // 128) * DB
+    w1_ptrs = w1_ptr + w_off
+    w3_ptrs = w3_ptr + w_off
+    xs_ptrs = xs_ptr + src * DB
+    w1s_ptrs = w1s_ptr + ws_off
+    w3s_ptrs = w3s_ptr + ws_off
+
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, DB):
+        acc_g = _scaled_kstep(x_ptrs, w1_ptrs, xs_ptrs, w1s_ptrs, acc_g, kb, D, offs_k, EVEN_K)
+        acc_u = _scaled_kstep(x_ptrs, w3_ptrs, xs_ptrs, w3s_ptrs, acc_u, kb, D, offs_k, EVEN_K)
+        x_ptrs += 128
+        w1_ptrs += 128
+        w3_ptrs += 128
+        xs_ptrs += 1
+        w1s_ptrs += 1
+        w3s_ptrs += 1
+
+    dtype = h_ptr.dtype.element_ty
+    gate = cast_out(acc_g, dtype, SOFT)
+    up = cast_out(acc_u, dtype, SOFT)
+    rows64 = rows.to(tl.int64)
+    nmask = offs_n < F
+    smask = rmask[:, None] & nmask[None, :]
+    h_ptrs = h_ptr + rows64[:, None] * (2 * F) + offs_n[None, :]
+    tl.store(h_ptrs, gate, mask=smask)
+    tl.store(h_ptrs + F, up, mask=smask)
+    # A from the rounded gate/up, as the bf16 kernel does (the backward recomputes it from H).
+    g = gate.to(tl.float32)
+    act = cast_out(g * tl.sigmoid(g) * up.to(tl.float32), dtype, SOFT)
+    tl.store(a_ptr + rows64[:, None] * F + offs_n[None, :], act, mask=smask)
+    if QUANT_A:
+        # BLOCK_N == 128: this tile's columns are exactly one 1 x 128 scale tile of A, so the down
+        # GEMM's operand is produced here without another pass over A. Quantized from the stored
+        # (rounded) A, so it equals quantize_rowwise(A) bit for bit.
+        af = tl.where(nmask[None, :], act.to(tl.float32), 0.0)
+        s = scale_from_amax(tl.max(tl.abs(af), axis=1), POW2)
+        q = to_e4m3_bits(quantize_tile(af, s[:, None]), SOFT)
+        tl.store(aq_ptr + rows64[:, None] * F + offs_n[None, :], q, mask=smask)
+        tl.store(as_out_ptr + rows64 * FB + pid_n, s, mask=rmask)
+
+
+def fp8_grouped_gemm(
+    a_q: torch.Tensor,
+    a_s: torch.Tensor,
+    b_q: torch.Tensor,
+    b_s: torch.Tensor,
+    offsets_E1: torch.Tensor,
+    sorted_slot_N: torch.Tensor | None = None,
+    top_k: int = 1,
+    out_dtype: torch.dtype = torch.bfloat16,
+    tiles: torch.Tensor | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """out[r] = dequant(A)[src(r)] @ dequant(B)[e(r)]^T for the expert-sorted rows r.
+
+    Args:
+        a_q: (T, K) e4m3 token rows (with ``sorted_slot_N``: row r reads token
+            ``sorted_slot_N[r] // top_k``) or (Nr, K) e4m3 rows already in expert-sorted order.
+        a_s: (a_q.shape[0], ceil(K/128)) fp32, 1 x 128 scales (:func:`quant.quantize_rowwise`).
+        b_q: (E, N, K) e4m3 per-expert weights, K contiguous (pass a dgrad weight as a
+            contiguous copy of ``q.mT``: the bytes need no requantization).
+        b_s: (E, ceil(N/128), ceil(K/128)) fp32 128 x 128 block scales (:func:`quant.quantize_weight`).
+        offsets_E1: (E+1,) int32 expert row offsets (:func:`kernels.mega_moe.routing.sort_by_expert`).
+        sorted_slot_N: (Nr,) int32 or None (no gather).
+        tiles: optional tile table for ``block_m`` (:func:`kernels.mega_moe.routing.tile_table`).
+    Returns:
+        (Nr, N) ``out_dtype`` (bf16 or fp32). Rows r >= offsets_E1[E] (empty slots) are not written.
+    """
+    _check_fp8(a_q, 2, "a_q")
+    _check_fp8(b_q, 3, "b_q")
+    E, N, K = b_q.shape
+    if a_q.shape[1] != K:
+        raise ValueError(f"a_q has K = {a_q.shape[1]}, b_q has K = {K}")
+    _check_scales(a_s, (a_q.shape[0], triton.cdiv(K, TILE)), "a_s")
+    _check_scales(b_s, (E, triton.cdiv(N, TILE), triton.cdiv(K, TILE)), "b_s")
+    if offsets_E1.numel() != E + 1:
+        raise ValueError(f"offsets_E1 has {offsets_E1.numel()} entries, expected E + 1 = {E + 1}")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"out_dtype must be bf16 or fp32, got {out_dtype}")
+    Nr = sorted_slot_N.numel() if sorted_slot_N is not None else a_q.shape[0]
+    bm, bn = _block_sizes(block_m, block_n)
+    out = torch.empty((Nr, N), device=a_q.device, dtype=out_dtype)
+    n_tiles = max_tiles(Nr, E, bm)
+    if Nr == 0 or N == 0 or K == 0 or n_tiles == 0:
+        return out.zero_() if K == 0 else out
+    if tiles is None:
+        tiles = tile_table(offsets_E1, Nr, bm)
+    _fp8_gemm_kernel[(n_tiles * triton.cdiv(N, bn),)](
+        a_q, a_s, b_q, b_s, out, sorted_slot_N if sorted_slot_N is not None else offsets_E1,
+        offsets_E1, tiles, n_tiles, top_k, N, K,
+        BLOCK_M=bm, BLOCK_N=bn, GATHER=sorted_slot_N is not None, EVEN_K=K % TILE == 0, SOFT=interpreting(),
+        num_warps=8 if not interpreting() else 4, num_stages=3,
+    )  # fmt: skip
+    return out
+
+
+def fp8_gate_up_swiglu(
+    x_q: torch.Tensor,
+    x_s: torch.Tensor,
+    w1_q: torch.Tensor,
+    w1_s: torch.Tensor,
+    w3_q: torch.Tensor,
+    w3_s: torch.Tensor,
+    sorted_slot_N: torch.Tensor,
+    offsets_E1: torch.Tensor,
+    top_k: int,
+    out_dtype: torch.dtype = torch.bfloat16,
+    quantize_a: bool = False,
+    pow2_scales: bool = False,
+    tiles: torch.Tensor | None = None,
+    block_m: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """FP8 gathered gate/up GEMM with the SwiGLU epilogue (FP8 twin of ``forward.gate_up``).
+
+    Args:
+        x_q, x_s: (T, D) e4m3 token rows and (T, ceil(D/128)) fp32 scales.
+        w1_q, w3_q: (E, F, D) e4m3; w1_s, w3_s: (E, ceil(F/128), ceil(D/128)) fp32.
+        sorted_slot_N, offsets_E1, top_k: routing (row r reads token sorted_slot_N[r] // top_k).
+        quantize_a: also write A quantized in 1 x 128 tiles (the down GEMM's operand); uses
+            BLOCK_N = 128 so each N-tile is one scale tile.
+    Returns:
+        h_N2F: (Nr, 2F) [gate | up] in ``out_dtype``; a_NF: (Nr, F) silu(gate) * up in ``out_dtype``;
+        (a_q (Nr, F) e4m3, a_s (Nr, ceil(F/128)) fp32) if quantize_a else None.
+        Rows r >= offsets_E1[E] are not written.
+    """
+    _check_fp8(x_q, 2, "x_q")
+    _check_fp8(w1_q, 3, "w1_q")
+    _check_fp8(w3_q, 3, "w3_q")
+    T, D = x_q.shape
+    E, F, _ = w1_q.shape
+    if w1_q.shape != (E, F, D) or w3_q.shape != (E, F, D):
+        raise ValueError(f"w1/w3 must be (E, F, D) with D = {D}: {tuple(w1_q.shape)}, {tuple(w3_q.shape)}")
+    _check_scales(x_s, (T, triton.cdiv(D, TILE)), "x_s")
+    for s, name in ((w1_s, "w1_s"), (w3_s, "w3_s")):
+        _check_scales(s, (E, triton.cdiv(F, TILE), triton.cdiv(D, TILE)), name)
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"out_dtype must be bf16 or fp32, got {out_dtype}")
+    Nr = sorted_slot_N.numel()
+    bm, bn = _block_sizes(block_m, 128 if quantize_a else None)
+    dev = x_q.device
+    h = torch.empty((Nr, 2 * F), device=dev, dtype=out_dtype)
+    a = torch.empty((Nr, F), device=dev, dtype=out_dtype)
+    aq = torch.empty((Nr, F), device=dev, dtype=FP8) if quantize_a else None
+    a_s = torch.empty((Nr, triton.cdiv(F, TILE)), device=dev, dtype=torch.float32) if quantize_a else None
+    n_tiles = max_tiles(Nr, E, bm)
+    if Nr == 0 or F == 0 or n_tiles == 0:
+        return h, a, (aq, a_s) if quantize_a else None
+    if tiles is None:
+        tiles = tile_table(offsets_E1, Nr, bm)
+    _fp8_gate_up_kernel[(n_tiles * triton.cdiv(F, bn),)](
+        x_q, x_s, w1_q, w1_s, w3_q, w3_s, h, a,
+        aq.view(torch.uint8) if quantize_a else a, a_s if quantize_a else a,
+        sorted_slot_N, offsets_E1, tiles, n_tiles, top_k, D, F,
+        BLOCK_M=bm, BLOCK_N=bn, EVEN_K=D % TILE == 0, QUANT_A=quantize_a, POW2=pow2_scales,
+        SOFT=interpreting(), num_warps=8 if not interpreting() else 4, num_stages=3,
+    )  # fmt: skip
+    return h, a, (aq, a_s) if quantize_a else None
+
+
+# --------------------------------------------------------------------------------------------------
+# Wgrad: K-grouped over each expert's rows
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fp8_wgrad_kernel(
+    at_ptr,  # (M, Nr) e4m3: dY^T, token dim contiguous
+    ats_ptr,  # (M, num_tiles) fp32
+    bt_ptr,  # (Ncol, Nr) e4m3: X^T
+    bts_ptr,  # (Ncol, num_tiles) fp32
+    out_ptr,  # (E, M, Ncol)
+    offsets_ptr,  # (E+1,) int32 row offsets
+    tile_offsets_ptr,  # (E+1,) int32 offsets of each expert's 128-row tiles
+    num_tiles,
+    Nr,
+    M,
+    NCOL,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SOFT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(NCOL, BLOCK_N)
+    expert = pid // (num_m * num_n)
+    pid_mn = pid % (num_m * num_n)
+    pid_m = pid_mn // num_n
+    pid_n = pid_mn % num_n
+    start = tl.load(offsets_ptr + expert)
+    end = tl.load(offsets_ptr + expert + 1)
+    t0 = tl.load(tile_offsets_ptr + expert)
+    t1 = tl.load(tile_offsets_ptr + expert + 1)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m_ld = (offs_m % M).to(tl.int64)
+    offs_n_ld = (offs_n % NCOL).to(tl.int64)
+    offs_r = tl.arange(0, 128)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # One 128-row tile of the expert per step: the scale block of both operands. An expert with
+    # no rows runs no step and stores zeros.
+    for t in range(t0, t1):
+        rows = start + (t - t0) * 128 + offs_r
+        rmask = rows < end
+        a = tl.load(at_ptr + offs_m_ld[:, None] * Nr + rows[None, :], mask=rmask[None, :], other=0.0)
+        b = tl.load(bt_ptr + offs_n_ld[None, :] * Nr + rows[:, None], mask=rmask[:, None], other=0.0)
+        sa = tl.load(ats_ptr + offs_m_ld * num_tiles + t)
+        sb = tl.load(bts_ptr + offs_n_ld * num_tiles + t)
+        acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+
+    out_off = expert.to(tl.int64) * M * NCOL + offs_m.to(tl.int64)[:, None] * NCOL + offs_n[None, :]
+    omask = (offs_m < M)[:, None] & (offs_n < NCOL)[None, :]
+    tl.store(out_ptr + out_off, cast_out(acc, out_ptr.dtype.element_ty, SOFT), mask=omask)
+
+
+def fp8_wgrad(
+    at_q: torch.Tensor,
+    at_s: torch.Tensor,
+    bt_q: torch.Tensor,
+    bt_s: torch.Tensor,
+    offsets_E1: torch.Tensor,
+    out_dtype: torch.dtype = torch.float32,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """dW[e] = dY_e^T @ X_e, the sum over expert e's rows, from token-dim-quantized operands.
+
+    Args:
+        at_q, at_s: (M, Nr) e4m3 and (M, Nr // 128 + E) fp32: dY's expert-sorted rows quantized in
+            128 x 1 tiles and stored transposed (:func:`quant.quantize_cols_grouped` of dY (Nr, M)).
+        bt_q, bt_s: (Ncol, Nr) e4m3 and (Ncol, Nr // 128 + E) fp32: the same for X (Nr or gathered
+            T rows, Ncol). Both must come from the same offsets_E1 (same 128-row tiles).
+        offsets_E1: (E+1,) int32.
+    Returns:
+        (E, M, Ncol) ``out_dtype``; zeros for an expert with no rows.
+    """
+    _check_fp8(at_q, 2, "at_q")
+    _check_fp8(bt_q, 2, "bt_q")
+    M, Nr = at_q.shape
+    NCOL = bt_q.shape[0]
+    if bt_q.shape[1] != Nr:
+        raise ValueError(f"at_q and bt_q must have the same rows (dim 1): {Nr} vs {bt_q.shape[1]}")
+    E = offsets_E1.numel() - 1
+    n_tiles = max_tiles(Nr, E, TILE)
+    _check_scales(at_s, (M, n_tiles), "at_s")
+    _check_scales(bt_s, (NCOL, n_tiles), "bt_s")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"out_dtype must be bf16 or fp32, got {out_dtype}")
+    bm, bn = _block_sizes(block_m, block_n)
+    if interpreting() and block_m is None:
+        bm = 32
+    out = torch.empty((E, M, NCOL), device=at_q.device, dtype=out_dtype)
+    if out.numel() == 0:
+        return out
+    tile_offs = group_tile_offsets(offsets_E1)
+    _fp8_wgrad_kernel[(E * triton.cdiv(M, bm) * triton.cdiv(NCOL, bn),)](
+        at_q, at_s, bt_q, bt_s, out, offsets_E1, tile_offs, n_tiles, Nr, M, NCOL,
+        BLOCK_M=bm, BLOCK_N=bn, SOFT=interpreting(), num_warps=8 if not interpreting() else 4, num_stages=3,
+    )  # fmt: skip
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# References (float64 from the dequantized operands; host loops over experts, tests only)
+# --------------------------------------------------------------------------------------------------
+
+
+def fp8_grouped_gemm_ref(a_q, a_s, b_q, b_s, offsets_E1, sorted_slot_N=None, top_k=1) -> torch.Tensor:
+    """float64 (Nr, N) reference of :func:`fp8_grouped_gemm`; rows r >= offsets_E1[E] are zero."""
+    a = dequantize_rowwise_ref(a_q, a_s, torch.float64)
+    b = dequantize_weight_ref(b_q, b_s, torch.float64)
+    if sorted_slot_N is not None:
+        a = a[sorted_slot_N.long() // top_k]
+    out = torch.zeros((a.shape[0], b.shape[1]), dtype=torch.float64, device=a.device)
+    offs = offsets_E1.tolist()
+    for e in range(b.shape[0]):
+        out[offs[e] : offs[e + 1]] = a[offs[e] : offs[e + 1]] @ b[e].t()
+    return out
+
+
+def fp8_gate_up_swiglu_ref(x_q, x_s, w1_q, w1_s, w3_q, w3_s, sorted_slot_N, offsets_E1, top_k):
+    """float64 (gate, up, silu(gate) * up), each (Nr, F), of :func:`fp8_gate_up_swiglu`."""
+    g = fp8_grouped_gemm_ref(x_q, x_s, w1_q, w1_s, offsets_E1, sorted_slot_N, top_k)
+    u = fp8_grouped_gemm_ref(x_q, x_s, w3_q, w3_s, offsets_E1, sorted_slot_N, top_k)
+    return g, u, torch.nn.functional.silu(g) * u
+
+
+def cols_grouped_dequant_ref(qt: torch.Tensor, st: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
+    """(Nr, K) float64 rows back from a :func:`quant.quantize_cols_grouped` pair (qt (K, Nr), st)."""
+    K, Nr = qt.shape
+    out = torch.zeros((Nr, K), dtype=torch.float64, device=qt.device)
+    offs = offsets_E1.tolist()
+    tile = 0
+    for e in range(offs.__len__() - 1):
+        for r0 in range(offs[e], offs[e + 1], TILE):
+            r1 = min(r0 + TILE, offs[e + 1])
+            out[r0:r1] = (qt[:, r0:r1].double() * st[:, tile : tile + 1].double()).t()
+            tile += 1
+    return out
+
+
+def fp8_wgrad_ref(at_q, at_s, bt_q, bt_s, offsets_E1) -> torch.Tensor:
+    """float64 (E, M, Ncol) reference of :func:`fp8_wgrad`."""
+    dy = cols_grouped_dequant_ref(at_q, at_s, offsets_E1)
+    x = cols_grouped_dequant_ref(bt_q, bt_s, offsets_E1)
+    offs = offsets_E1.tolist()
+    E = len(offs) - 1
+    out = torch.zeros((E, dy.shape[1], x.shape[1]), dtype=torch.float64, device=dy.device)
+    for e in range(E):
+        out[e] = dy[offs[e] : offs[e + 1]].t() @ x[offs[e] : offs[e + 1]]
+    return out

@@ -1,0 +1,486 @@
+"""Block-scaled FP8 (e4m3) quantization, DeepSeek-V3 style, with a plain PyTorch reference per op.
+
+Every quantized tensor is a pair ``(q, s)``: ``q`` in ``torch.float8_e4m3fn`` and ``s`` fp32 scales,
+one per tile, such that ``x ~= q.float() * s`` tile by tile. The tiles:
+
+- activations and gradients, :func:`quantize_rowwise`: 1 x 128 along the last dim (the reduction
+  dim of the GEMM that consumes them). (M, K) -> q (M, K), s (M, ceil(K/128)).
+- the same data for a GEMM that reduces over M (wgrad), :func:`quantize_dual`: 128 x 1 tiles, stored
+  transposed so the reduction dim stays contiguous (K-major, what Hopper's FP8 MMA reads):
+  qt (K, M), st (K, ceil(M/128)), i.e. exactly ``quantize_rowwise(x.T)``, made in the same read of x
+  as the row copy.
+- expert-grouped 128 x 1 tiles for the MoE wgrad, :func:`quantize_cols_grouped`: the 128-row blocks
+  follow each expert's rows (the tile table of :mod:`kernels.mega_moe.routing` with block_m = 128),
+  so a block never straddles two experts; rows may be gathered by token on the fly.
+- weights, :func:`quantize_weight`: 128 x 128 blocks. (E, N, K) -> q (E, N, K),
+  s (E, ceil(N/128), ceil(K/128)). A block's scale is symmetric in its two dims, so the transposed
+  weight of dgrad is ``(q.mT, s.mT)``: no requantization.
+
+Scale convention (all ops, kernel and reference alike): ``amax`` = max |x| over the tile (zero
+padding for a partial last tile), clamped below by ``AMAX_EPS`` so an all-zero tile gets a finite
+scale; ``s = amax / 448`` (448 = largest e4m3 value), correctly rounded; with ``pow2_scales`` s is
+rounded *up* to a power of two (then ``x / s`` is exact and |x / s| <= 448 still holds);
+``q = e4m3(clamp(x / s, -448, 448))`` rounded to nearest even. Inputs must be finite.
+
+The Triton kernels are bit-identical to the references: the division is ``div_rn`` (IEEE,
+correctly rounded, like torch's), and the fp32 -> e4m3 cast is RTNE either way. Under the Triton
+interpreter that cast is done in integer arithmetic (:func:`_e4m3_bits_soft`) because the
+interpreter's own fp32 -> fp8 conversion rounds wrongly (mantissa carries and subnormals); on the
+GPU the hardware cast (``cvt.rn.satfinite``) is used.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.mega_moe.routing import max_tiles, tile_table
+
+E4M3_MAX = 448.0
+AMAX_EPS = 1e-12
+TILE = 128  # the scale block along every quantized dim
+
+_E4M3_MAX: tl.constexpr = 448.0
+_AMAX_EPS: tl.constexpr = 1e-12
+_TILE: tl.constexpr = 128
+
+FP8 = torch.float8_e4m3fn
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run on CPU tensors through the interpreter."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton helpers (also used by the GEMM epilogues of grouped_gemm.py)
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def scale_from_amax(amax, POW2: tl.constexpr):
+    """fp32 scale(s) from tile amax(es): max(amax, eps) / 448, optionally rounded up to 2^k."""
+    s = tl.math.div_rn(tl.maximum(amax, _AMAX_EPS), _E4M3_MAX)
+    if POW2:
+        # Round up to a power of two on the bits: adding 2^23 - 1 carries into the exponent unless
+        # the mantissa is already zero; then clear the mantissa. Exact, unlike exp2(ceil(log2)).
+        u = s.to(tl.int32, bitcast=True)
+        s = ((u + 0x7FFFFF) & -8388608).to(tl.float32, bitcast=True)  # -8388608 == 0xFF800000
+    return s
+
+
+@triton.jit
+def _e4m3_bits_soft(y):
+    """RTNE fp32 -> e4m3fn bit patterns (int32 in [0, 255]) for finite |y| <= 448, in integer math."""
+    neg = y.to(tl.int32, bitcast=True) < 0  # the sign bit, so -0.0 maps to 0x80 as in torch
+    a = tl.abs(y)
+    ua = a.to(tl.int32, bitcast=True)
+    # Normal range (a >= 2^-6): round the 23-bit mantissa to 3 bits, ties to even; a carry out of the
+    # mantissa bumps the exponent, which is the right result.
+    lsb = (ua >> 20) & 1
+    ur = (ua + 0x7FFFF + lsb) & -1048576  # -1048576 == 0xFFF00000
+    normal = (((ur >> 23) - 120) << 3) | ((ur >> 20) & 7)  # rebias 127 -> 7
+    # Subnormal range: multiples of 2^-9; m == 8 is 2^-6, whose bit pattern is also 8.
+    # (a * 2^9 + 2^23) - 2^23 rounds to an integer, ties to even, in fp32.
+    m = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+    bits = tl.where(a >= 0.015625, normal, m)
+    return tl.where(neg, bits | 0x80, bits)
+
+
+@triton.jit
+def to_e4m3_bits(y, SOFT: tl.constexpr):
+    """e4m3 bytes (uint8) of fp32 ``y`` already clamped to [-448, 448]; stored through uint8 views."""
+    if SOFT:
+        return _e4m3_bits_soft(y).to(tl.uint8)
+    else:
+        return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def cast_out(x, dtype: tl.constexpr, SOFT: tl.constexpr):
+    """fp32 ``x`` -> ``dtype`` (a GEMM output). Under the interpreter the fp32 -> bf16 rounding is done
+    on the bits (RTNE), since the interpreter's own cast rounds wrongly when the mantissa carries."""
+    if SOFT and dtype == tl.bfloat16:
+        u = x.to(tl.int32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & -65536  # -65536 == 0xFFFF0000
+        return u.to(tl.float32, bitcast=True).to(dtype)  # exact now
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def quantize_tile(x, s):
+    """x / s clamped to the e4m3 range, fp32 (the caller casts). ``s`` broadcasts against ``x``."""
+    y = tl.math.div_rn(x, s)
+    return tl.minimum(tl.maximum(y, -_E4M3_MAX), _E4M3_MAX)
+
+
+# --------------------------------------------------------------------------------------------------
+# Torch references
+# --------------------------------------------------------------------------------------------------
+
+
+def scale_from_amax_ref(amax: torch.Tensor, pow2_scales: bool = False) -> torch.Tensor:
+    """Reference of :func:`scale_from_amax` (fp32 in, fp32 out)."""
+    s = amax.float().clamp(min=AMAX_EPS) / E4M3_MAX
+    if pow2_scales:
+        s = ((s.view(torch.int32) + 0x7FFFFF) & -8388608).view(torch.float32)
+    return s
+
+
+def _pad_last(x: torch.Tensor, mult: int) -> torch.Tensor:
+    pad = (-x.shape[-1]) % mult
+    return torch.nn.functional.pad(x, (0, pad)) if pad else x
+
+
+def quantize_rowwise_ref(x: torch.Tensor, pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of :func:`quantize_rowwise`: (..., K) -> q (..., K) e4m3, s (..., ceil(K/128)) fp32."""
+    K = x.shape[-1]
+    xp = _pad_last(x.float(), TILE)
+    xt = xp.reshape(*x.shape[:-1], -1, TILE)
+    s = scale_from_amax_ref(xt.abs().amax(-1), pow2_scales)
+    q = (xt / s[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+    return q.reshape(*x.shape[:-1], -1)[..., :K].contiguous(), s
+
+
+def dequantize_rowwise_ref(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of the 1 x 128 layout: q (..., K), s (..., ceil(K/128)) -> (..., K) in ``dtype``."""
+    K = q.shape[-1]
+    return (q.float() * s.repeat_interleave(TILE, dim=-1)[..., :K]).to(dtype)
+
+
+def quantize_dual_ref(x: torch.Tensor, pow2_scales: bool = False):
+    """Reference of :func:`quantize_dual`: the row copy of x and the row copy of x.T."""
+    q, s = quantize_rowwise_ref(x, pow2_scales)
+    qt, st = quantize_rowwise_ref(x.t(), pow2_scales)
+    return q, s, qt, st
+
+
+def quantize_weight_ref(w: torch.Tensor, pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of :func:`quantize_weight`: (E, N, K) -> q (E, N, K), s (E, ceil(N/128), ceil(K/128))."""
+    E, N, K = w.shape
+    wp = _pad_last(_pad_last(w.float(), TILE).transpose(1, 2), TILE).transpose(1, 2)
+    nb, kb = wp.shape[1] // TILE, wp.shape[2] // TILE
+    blocks = wp.reshape(E, nb, TILE, kb, TILE)
+    s = scale_from_amax_ref(blocks.abs().amax(dim=(2, 4)), pow2_scales)
+    q = (blocks / s[:, :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+    return q.reshape(E, nb * TILE, kb * TILE)[:, :N, :K].contiguous(), s
+
+
+def dequantize_weight_ref(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of the 128 x 128 layout: q (E, N, K), s (E, ceil(N/128), ceil(K/128)) -> (E, N, K)."""
+    E, N, K = q.shape
+    full = s.repeat_interleave(TILE, dim=1).repeat_interleave(TILE, dim=2)[:, :N, :K]
+    return (q.float() * full).to(dtype)
+
+
+def quantize_cols_grouped_ref(
+    x: torch.Tensor,
+    offsets_E1: torch.Tensor,
+    sorted_slot_N: torch.Tensor | None = None,
+    top_k: int = 1,
+    pow2_scales: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of :func:`quantize_cols_grouped` (host loops; tests only).
+
+    Rows not covered by an expert (r >= offsets_E1[E]) are left zero in qt; surplus tiles get
+    scale 0, as the kernel writes them.
+    """
+    if sorted_slot_N is not None:
+        xg = x[(sorted_slot_N.long() // top_k)]
+    else:
+        xg = x
+    Nr, K = xg.shape
+    E = offsets_E1.numel() - 1
+    offs = offsets_E1.tolist()
+    qt = torch.zeros((K, Nr), dtype=FP8, device=x.device)
+    st = torch.zeros((K, max_tiles(Nr, E, TILE)), dtype=torch.float32, device=x.device)
+    tile = 0
+    for e in range(E):
+        for r0 in range(offs[e], offs[e + 1], TILE):
+            r1 = min(r0 + TILE, offs[e + 1])
+            q, s = quantize_rowwise_ref(xg[r0:r1].t(), pow2_scales)  # (K, r1-r0), (K, 1)
+            qt[:, r0:r1] = q
+            st[:, tile] = s[:, 0]
+            tile += 1
+    return qt, st
+
+
+def group_tile_offsets(offsets_E1: torch.Tensor, block: int = TILE) -> torch.Tensor:
+    """(E+1,) int32: expert e's 128-row blocks are tiles ``[out[e], out[e+1])`` of the tile table
+    (tiles are ordered by expert, ceil(count_e / block) each). Device ops only, no host sync."""
+    counts = offsets_E1[1:] - offsets_E1[:-1]
+    tiles = (counts + block - 1) // block
+    return torch.nn.functional.pad(torch.cumsum(tiles, 0), (1, 0)).to(torch.int32)
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rowwise_kernel(
+    x_ptr,  # (M, K) bf16/fp32
+    q_ptr,  # (M, K) uint8 view of e4m3 out
+    s_ptr,  # (M, cdiv(K, 128)) fp32 out
+    M,
+    K,
+    BLOCK_M: tl.constexpr,
+    POW2: tl.constexpr,
+    SOFT: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    kb = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = kb * _TILE + tl.arange(0, _TILE)
+    mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
+    off = offs_m.to(tl.int64)[:, None] * K + offs_k[None, :]
+    x = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    s = scale_from_amax(tl.max(tl.abs(x), axis=1), POW2)
+    q = to_e4m3_bits(quantize_tile(x, s[:, None]), SOFT)
+    tl.store(q_ptr + off, q, mask=mask)
+    tl.store(s_ptr + offs_m.to(tl.int64) * tl.cdiv(K, _TILE) + kb, s, mask=offs_m < M)
+
+
+@triton.jit
+def _dual_kernel(
+    x_ptr,  # (M, K)
+    q_ptr,  # (M, K) uint8 out: row copy
+    s_ptr,  # (M, cdiv(K, 128)) fp32 out
+    qt_ptr,  # (K, M) uint8 out: column copy, transposed
+    st_ptr,  # (K, cdiv(M, 128)) fp32 out
+    M,
+    K,
+    POW2: tl.constexpr,
+    SOFT: tl.constexpr,
+):
+    # One 128 x 128 tile of x per program: read once, reduced along both dims.
+    mb = tl.program_id(0)
+    kb = tl.program_id(1)
+    offs_m = mb * _TILE + tl.arange(0, _TILE)
+    offs_k = kb * _TILE + tl.arange(0, _TILE)
+    mmask = offs_m < M
+    kmask = offs_k < K
+    mask = mmask[:, None] & kmask[None, :]
+    m64 = offs_m.to(tl.int64)
+    k64 = offs_k.to(tl.int64)
+    x = tl.load(x_ptr + m64[:, None] * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+    ax = tl.abs(x)
+
+    s_row = scale_from_amax(tl.max(ax, axis=1), POW2)
+    q_row = to_e4m3_bits(quantize_tile(x, s_row[:, None]), SOFT)
+    tl.store(q_ptr + m64[:, None] * K + offs_k[None, :], q_row, mask=mask)
+    tl.store(s_ptr + m64 * tl.cdiv(K, _TILE) + kb, s_row, mask=mmask)
+
+    s_col = scale_from_amax(tl.max(ax, axis=0), POW2)
+    q_col = to_e4m3_bits(quantize_tile(x, s_col[None, :]), SOFT)
+    tl.store(qt_ptr + k64[None, :] * M + offs_m[:, None], q_col, mask=mask)
+    tl.store(st_ptr + k64 * tl.cdiv(M, _TILE) + mb, s_col, mask=kmask)
+
+
+@triton.jit
+def _cols_grouped_kernel(
+    x_ptr,  # (T, K) if GATHER else (Nr, K)
+    qt_ptr,  # (K, Nr) uint8 out
+    st_ptr,  # (K, num_tiles) fp32 out
+    sorted_slot_ptr,  # (Nr,) int32 (read if GATHER)
+    offsets_ptr,  # (E+1,) int32
+    table_ptr,  # (2, num_tiles) int32, block_m = 128
+    num_tiles,
+    Nr,
+    K,
+    K_TOP,
+    BLOCK_K: tl.constexpr,
+    GATHER: tl.constexpr,
+    POW2: tl.constexpr,
+    SOFT: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    kmask = offs_k < K
+    k64 = offs_k.to(tl.int64)
+    expert = tl.load(table_ptr + pid_t)
+    if expert < 0:
+        # Surplus tile of the static schedule: a defined scale, nothing else.
+        tl.store(st_ptr + k64 * num_tiles + pid_t, tl.zeros((BLOCK_K,), tl.float32), mask=kmask)
+        return
+    row0 = tl.load(table_ptr + num_tiles + pid_t)
+    row_end = tl.load(offsets_ptr + expert + 1)
+    rows = row0 + tl.arange(0, _TILE)
+    rmask = rows < row_end
+    if GATHER:
+        src = (tl.load(sorted_slot_ptr + rows, mask=rmask, other=0) // K_TOP).to(tl.int64)
+    else:
+        src = rows.to(tl.int64)
+    mask = rmask[:, None] & kmask[None, :]
+    x = tl.load(x_ptr + src[:, None] * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = scale_from_amax(tl.max(tl.abs(x), axis=0), POW2)
+    q = to_e4m3_bits(quantize_tile(x, s[None, :]), SOFT)
+    tl.store(qt_ptr + k64[None, :] * Nr + rows[:, None], q, mask=mask)
+    tl.store(st_ptr + k64 * num_tiles + pid_t, s, mask=kmask)
+
+
+@triton.jit
+def _weight_kernel(
+    w_ptr,  # (E, N, K)
+    q_ptr,  # (E, N, K) uint8 out
+    s_ptr,  # (E, cdiv(N, 128), cdiv(K, 128)) fp32 out
+    N,
+    K,
+    POW2: tl.constexpr,
+    SOFT: tl.constexpr,
+):
+    e = tl.program_id(0).to(tl.int64)
+    nb = tl.program_id(1)
+    kb = tl.program_id(2)
+    offs_n = nb * _TILE + tl.arange(0, _TILE)
+    offs_k = kb * _TILE + tl.arange(0, _TILE)
+    mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    off = e * N * K + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
+    w = tl.load(w_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    s = scale_from_amax(tl.max(tl.max(tl.abs(w), axis=1), axis=0), POW2)
+    q = to_e4m3_bits(quantize_tile(w, s), SOFT)
+    tl.store(q_ptr + off, q, mask=mask)
+    tl.store(s_ptr + (e * tl.cdiv(N, _TILE) + nb) * tl.cdiv(K, _TILE) + kb, s)
+
+
+# --------------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------------
+
+_IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_input(x: torch.Tensor, ndim: int, name: str) -> None:
+    if x.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D tensor, got shape {tuple(x.shape)}")
+    if x.dtype not in _IN_DTYPES:
+        raise TypeError(f"{name}: expected bf16/fp16/fp32, got {x.dtype}")
+    if not x.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor (row-major), got strides {x.stride()}")
+
+
+def quantize_rowwise(x_MK: torch.Tensor, pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """1 x 128 tiles along the last dim (activations, gradients: the GEMM's reduction dim).
+
+    Args:
+        x_MK: (M, K) bf16/fp16/fp32, contiguous. K need not be a multiple of 128: the last tile's
+            amax is over its K % 128 valid columns.
+        pow2_scales: round each scale up to a power of two.
+    Returns:
+        q_MK: (M, K) float8_e4m3fn.
+        s_MKb: (M, ceil(K/128)) fp32, ``x[m, k] ~= q[m, k] * s[m, k // 128]``.
+    """
+    _check_input(x_MK, 2, "x_MK")
+    M, K = x_MK.shape
+    q = torch.empty((M, K), device=x_MK.device, dtype=FP8)
+    s = torch.empty((M, triton.cdiv(K, TILE)), device=x_MK.device, dtype=torch.float32)
+    if M == 0 or K == 0:
+        return q, s
+    block_m = 16 if interpreting() else 32
+    _rowwise_kernel[(triton.cdiv(M, block_m), triton.cdiv(K, TILE))](
+        x_MK, q.view(torch.uint8), s, M, K,
+        BLOCK_M=block_m, POW2=pow2_scales, SOFT=interpreting(), num_warps=4,
+    )  # fmt: skip
+    return q, s
+
+
+def quantize_dual(
+    x_MK: torch.Tensor, pow2_scales: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row copy (forward/dgrad) and column copy (wgrad) of x from one read of x.
+
+    Args:
+        x_MK: (M, K) bf16/fp16/fp32, contiguous; M, K any size (partial tiles masked).
+    Returns:
+        q_MK (M, K) e4m3, s_MKb (M, ceil(K/128)) fp32: 1 x 128 tiles, as :func:`quantize_rowwise`.
+        qt_KM (K, M) e4m3, st_KMb (K, ceil(M/128)) fp32: 128 x 1 tiles of x stored transposed, so
+            ``x[m, k] ~= qt[k, m] * st[k, m // 128]``; equal to ``quantize_rowwise(x.T)``.
+    """
+    _check_input(x_MK, 2, "x_MK")
+    M, K = x_MK.shape
+    dev = x_MK.device
+    q = torch.empty((M, K), device=dev, dtype=FP8)
+    s = torch.empty((M, triton.cdiv(K, TILE)), device=dev, dtype=torch.float32)
+    qt = torch.empty((K, M), device=dev, dtype=FP8)
+    st = torch.empty((K, triton.cdiv(M, TILE)), device=dev, dtype=torch.float32)
+    if M == 0 or K == 0:
+        return q, s, qt, st
+    _dual_kernel[(triton.cdiv(M, TILE), triton.cdiv(K, TILE))](
+        x_MK, q.view(torch.uint8), s, qt.view(torch.uint8), st, M, K,
+        POW2=pow2_scales, SOFT=interpreting(), num_warps=8,
+    )  # fmt: skip
+    return q, s, qt, st
+
+
+def quantize_cols_grouped(
+    x: torch.Tensor,
+    offsets_E1: torch.Tensor,
+    sorted_slot_N: torch.Tensor | None = None,
+    top_k: int = 1,
+    pow2_scales: bool = False,
+    tiles: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """128 x 1 tiles over each expert's rows: the token-dim-quantized operand of the MoE wgrad.
+
+    Args:
+        x: (Nr, K) rows in expert-sorted order (e.g. dH), or with ``sorted_slot_N`` (Nr,) the
+            (T, K) token rows gathered as ``x[sorted_slot_N[r] // top_k]`` (e.g. the layer input).
+        offsets_E1: (E+1,) int32 from :func:`kernels.mega_moe.routing.sort_by_expert`.
+        tiles: optional tile table for block_m = 128 (built if None).
+    Returns:
+        qt_KN: (K, Nr) e4m3, the quantized (gathered) rows stored transposed (token dim
+            contiguous). Columns r >= offsets_E1[E] (empty slots) are not written.
+        st_KT: (K, Nr // 128 + E) fp32: column i is tile i of the 128-row tile table; tile i covers
+            rows ``[row0_i, min(row0_i + 128, end of its expert))``; surplus tiles get 0.
+    """
+    _check_input(x, 2, "x")
+    Nr = sorted_slot_N.numel() if sorted_slot_N is not None else x.shape[0]
+    K = x.shape[1]
+    E = offsets_E1.numel() - 1
+    n_tiles = max_tiles(Nr, E, TILE)
+    qt = torch.empty((K, Nr), device=x.device, dtype=FP8)
+    st = torch.empty((K, n_tiles), device=x.device, dtype=torch.float32)
+    if K == 0 or n_tiles == 0:
+        return qt, st
+    if tiles is None:
+        tiles = tile_table(offsets_E1, Nr, TILE)
+    block_k = 32 if interpreting() else 64
+    _cols_grouped_kernel[(n_tiles, triton.cdiv(K, block_k))](
+        x, qt.view(torch.uint8), st, sorted_slot_N if sorted_slot_N is not None else offsets_E1,
+        offsets_E1, tiles, n_tiles, Nr, K, top_k,
+        BLOCK_K=block_k, GATHER=sorted_slot_N is not None, POW2=pow2_scales, SOFT=interpreting(),
+        num_warps=4,
+    )  # fmt: skip
+    return qt, st
+
+
+def quantize_weight(w: torch.Tensor, pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """128 x 128 block quantization of expert weights (once per optimizer step, then cached).
+
+    Args:
+        w: (E, N, K) or (N, K) bf16/fp16/fp32, contiguous; N, K any size (partial blocks masked).
+    Returns:
+        q: e4m3, w's shape.
+        s: fp32 (E, ceil(N/128), ceil(K/128)) (or without E for a 2-D w),
+            ``w[e, n, k] ~= q[e, n, k] * s[e, n // 128, k // 128]``. The transposed weight is
+            ``(q.mT, s.mT)``: same bytes, same scales.
+    """
+    if w.dim() == 2:
+        q, s = quantize_weight(w.unsqueeze(0), pow2_scales)
+        return q[0], s[0]
+    _check_input(w, 3, "w")
+    E, N, K = w.shape
+    q = torch.empty((E, N, K), device=w.device, dtype=FP8)
+    s = torch.empty((E, triton.cdiv(N, TILE), triton.cdiv(K, TILE)), device=w.device, dtype=torch.float32)
+    if q.numel() == 0:
+        return q, s
+    _weight_kernel[(E, triton.cdiv(N, TILE), triton.cdiv(K, TILE))](
+        w, q.view(torch.uint8), s, N, K, POW2=pow2_scales, SOFT=interpreting(), num_warps=8,
+    )  # fmt: skip
+    return q, s

@@ -1,0 +1,441 @@
+"""Tests of the FP8 building blocks (kernels/fp8) against their plain-PyTorch references.
+
+Without a GPU the Triton kernels run on CPU tensors through the Triton interpreter (tiny shapes);
+with one, the same tests run on it (and check the hardware fp32 -> e4m3 cast bit for bit against
+torch's). Two kinds of check:
+
+- quantization: kernel == reference bit for bit (e4m3 bytes and fp32 scales), plus round-trip
+  error bounds: |dequant(quant(x)) - x| <= 2^-4 |x| + s * 2^-10 per element (half an e4m3 ulp for
+  normals, half the subnormal step 2^-9 * s below), whatever the scale rounding;
+- GEMMs: kernel vs float64 from the dequantized operands (tight: only fp32 accumulation differs),
+  and vs the unquantized product (FP8-level: relative Frobenius error below 6%).
+
+Inputs are fresh random draws each run; the seed is in every failure message.
+"""
+
+import os
+
+import torch
+
+_HAS_CUDA = torch.cuda.is_available()
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton")
+from kernels.fp8 import grouped_gemm as G  # noqa: E402
+from kernels.fp8 import quant as Q  # noqa: E402
+from kernels.mega_moe.routing import sort_by_expert  # noqa: E402
+
+if not _HAS_CUDA and not type(Q._rowwise_kernel).__name__ == "InterpretedFunction":
+    pytest.skip(
+        "kernels.fp8 was imported before TRITON_INTERPRET=1 was set; run this file alone or export "
+        "TRITON_INTERPRET=1",
+        allow_module_level=True,
+    )
+
+DEVICE = "cuda" if _HAS_CUDA else "cpu"
+FP8 = torch.float8_e4m3fn
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
+    # The interpreter's sigmoid of a very negative gate (outlier rows) overflows exp to inf: -> 0.
+    pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning"),
+]
+
+
+def _seed() -> int:
+    seed = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    return seed
+
+
+def _m(prefix: str):
+    """assert_close message keeping torch's details after our context."""
+    return lambda details: f"{prefix}: {details}"
+
+
+def _bytes(q: torch.Tensor) -> torch.Tensor:
+    return q.view(torch.uint8)
+
+
+def _assert_same_q(got, want, msg):
+    """Bitwise equality of a (q, s, ...) tuple."""
+    for i, (g, w) in enumerate(zip(got, want)):
+        g = _bytes(g) if g.dtype == FP8 else g
+        w = _bytes(w) if w.dtype == FP8 else w
+        assert g.shape == w.shape, f"{msg}: output {i} shape {tuple(g.shape)} != {tuple(w.shape)}"
+        if not torch.equal(g, w):
+            n = (g != w).sum().item()
+            raise AssertionError(f"{msg}: output {i} differs in {n} of {g.numel()} entries")
+
+
+def _input(M, K, dtype, outliers=True, zeros=True):
+    """Gaussian rows with magnitudes over 9 decades, a few rows x100 and an all-zero row/tile."""
+    x = torch.randn(M, K, device=DEVICE) * torch.logspace(-6, 3, K, device=DEVICE)[torch.randperm(K)]
+    if outliers and M > 2:
+        x[torch.randperm(M)[: max(1, M // 16)]] *= 100
+    if zeros:
+        x[M // 2] = 0
+        x[:, : min(K, 5)] = 0
+    return x.to(dtype)
+
+
+def _roundtrip_bound_ok(x, deq, s_full):
+    """Per-element round-trip bound of 1 x 128 / 128 x 128 e4m3 with scale s (see module doc)."""
+    x = x.double()
+    err = (deq.double() - x).abs()
+    bound = 2.0**-4 * x.abs() + s_full.double() * 2.0**-10
+    return bool((err <= bound * (1 + 1e-6)).all()), (err - bound).max().item()
+
+
+# --------------------------------------------------------------------------------------------------
+# quantization
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_e4m3_cast_every_value_and_tie(sign):
+    """The kernels' fp32 -> e4m3 cast vs torch's on every e4m3 value, every midpoint (ties to even)
+    and the fp32 neighbours of each midpoint, subnormals included. A 448 in each 128-tile makes the
+    scale exactly 1, so the cast sees the values as they are."""
+    vals = torch.arange(0, 127, dtype=torch.uint8).view(FP8).float()  # 0 .. 448, finite, >= 0
+    mids = (vals[1:] + vals[:-1]) / 2
+    probes = torch.cat([vals, mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(torch.tensor(1e9))])
+    probes = torch.cat([probes, torch.tensor([2.0**-10, 2.0**-11, 1e-30, 0.0])]) * sign
+    n = probes.numel()
+    rows = triton.cdiv(n, 127)
+    x = torch.zeros(rows, 128)
+    x[:, 0] = 448.0
+    x.view(-1)[torch.arange(n) // 127 * 128 + 1 + torch.arange(n) % 127] = probes
+    q, s = Q.quantize_rowwise(x.to(DEVICE))
+    assert (s == 1.0).all()
+    want = x.to(FP8)
+    assert torch.equal(_bytes(q).cpu(), _bytes(want)), "e4m3 cast differs from torch's"
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1), (37, 300), (64, 256), (130, 129)])
+def test_quantize_rowwise_matches_reference(shape, dtype, pow2):
+    seed = _seed()
+    x = _input(*shape, dtype)
+    msg = f"seed {seed} shape {shape} {dtype} pow2={pow2}"
+    got = Q.quantize_rowwise(x, pow2)
+    _assert_same_q(got, Q.quantize_rowwise_ref(x, pow2), msg)
+    q, s = got
+    assert q.shape == shape and s.shape == (shape[0], triton.cdiv(shape[1], 128)), msg
+    if pow2:
+        mant = s.view(torch.int32) & 0x7FFFFF
+        assert (mant == 0).all(), f"{msg}: scales not powers of two"
+    deq = Q.dequantize_rowwise_ref(q, s)
+    ok, worst = _roundtrip_bound_ok(x, deq, s.repeat_interleave(128, 1)[:, : shape[1]])
+    assert ok, f"{msg}: round-trip error exceeds the e4m3 bound by {worst}"
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_roundtrip_relative_error_gaussian(pow2):
+    """Typical error: relative Frobenius error of dequant(quant(x)) on Gaussian data is a few %
+    (e4m3 has 3 mantissa bits: rms relative rounding error ~ 2^-4 / sqrt(3) for uniform mantissas)."""
+    seed = _seed()
+    x = torch.randn(64, 384, device=DEVICE)
+    q, s = Q.quantize_rowwise(x, pow2)
+    rel = ((Q.dequantize_rowwise_ref(q, s) - x).norm() / x.norm()).item()
+    assert rel < 0.04, f"seed {seed} pow2={pow2}: relative error {rel}"
+    qw, sw = Q.quantize_weight(x, pow2)
+    rel_w = ((Q.dequantize_weight_ref(qw[None], sw[None])[0] - x).norm() / x.norm()).item()
+    assert rel_w < 0.04, f"seed {seed} pow2={pow2}: weight relative error {rel_w}"
+
+
+def test_outlier_rows_do_not_touch_other_rows():
+    """1 x 128 tiles: scaling a few rows by 100 changes only those rows' bytes and scales; for
+    weights, only the 128 x 128 blocks that hold an outlier row."""
+    seed = _seed()
+    x = torch.randn(300, 260, device=DEVICE)
+    out_rows = torch.tensor([3, 150, 299])
+    x2 = x.clone()
+    x2[out_rows] *= 100
+    q, s = Q.quantize_rowwise(x)
+    q2, s2 = Q.quantize_rowwise(x2)
+    keep = torch.ones(300, dtype=torch.bool)
+    keep[out_rows] = False
+    assert torch.equal(_bytes(q)[keep], _bytes(q2)[keep]) and torch.equal(s[keep], s2[keep]), f"seed {seed}"
+    assert torch.allclose(s2[~keep], s[~keep] * 100, rtol=1e-6), f"seed {seed}"
+
+    qw, sw = Q.quantize_weight(x)
+    x3 = x.clone()
+    x3[5] *= 100  # an outlier row in block-row 0 only
+    qw3, sw3 = Q.quantize_weight(x3)
+    assert torch.equal(_bytes(qw)[128:], _bytes(qw3)[128:]) and torch.equal(sw[1:], sw3[1:]), f"seed {seed}"
+    assert not torch.equal(sw[0], sw3[0]), f"seed {seed}"
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_zeros(pow2):
+    x = torch.zeros(5, 200, device=DEVICE)
+    q, s = Q.quantize_rowwise(x, pow2)
+    assert (_bytes(q) == 0).all() and torch.isfinite(s).all() and (s > 0).all()
+    assert (Q.dequantize_rowwise_ref(q, s) == 0).all()
+    qw, sw = Q.quantize_weight(x, pow2)
+    assert (_bytes(qw) == 0).all() and torch.isfinite(sw).all() and (sw > 0).all()
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("shape", [(1, 1), (37, 300), (256, 128), (130, 129)])
+def test_quantize_dual_matches_reference(shape, pow2):
+    """Row copy and column copy from one read == rowwise(x) and rowwise(x.T), bit for bit."""
+    seed = _seed()
+    x = _input(*shape, torch.bfloat16)
+    got = Q.quantize_dual(x, pow2)
+    _assert_same_q(got, Q.quantize_dual_ref(x, pow2), f"seed {seed} shape {shape} pow2={pow2}")
+    _assert_same_q(got[2:], Q.quantize_rowwise(x.t().contiguous(), pow2), f"seed {seed}: column copy")
+    qt, st = got[2:]
+    deq = Q.dequantize_rowwise_ref(qt, st).t()
+    ok, worst = _roundtrip_bound_ok(x, deq, st.repeat_interleave(128, 1)[:, : shape[0]].t())
+    assert ok, f"seed {seed}: column copy round-trip exceeds the bound by {worst}"
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("shape", [(1, 1, 1), (3, 200, 300), (2, 256, 128), (1, 129, 257)])
+def test_quantize_weight_matches_reference(shape, pow2):
+    seed = _seed()
+    w = (torch.randn(shape, device=DEVICE) * 0.02).to(torch.bfloat16)
+    w[0, : min(3, shape[1])] *= 100  # outlier rows
+    msg = f"seed {seed} shape {shape} pow2={pow2}"
+    q, s = Q.quantize_weight(w, pow2)
+    _assert_same_q((q, s), Q.quantize_weight_ref(w, pow2), msg)
+    E, N, K = shape
+    assert s.shape == (E, triton.cdiv(N, 128), triton.cdiv(K, 128)), msg
+    full = s.repeat_interleave(128, 1).repeat_interleave(128, 2)[:, :N, :K]
+    ok, worst = _roundtrip_bound_ok(w, Q.dequantize_weight_ref(q, s), full)
+    assert ok, f"{msg}: round-trip exceeds the bound by {worst}"
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_weight_transpose_needs_no_requantization(pow2):
+    """dgrad's transposed weight: (q.mT, s.mT) dequantizes to dequant(q, s).mT exactly, and
+    quantizing w.mT from scratch gives those very bytes and scales."""
+    seed = _seed()
+    w = torch.randn(2, 200, 300, device=DEVICE) * 0.02
+    q, s = Q.quantize_weight(w, pow2)
+    qT, sT = q.mT.contiguous(), s.mT.contiguous()
+    assert torch.equal(Q.dequantize_weight_ref(qT, sT), Q.dequantize_weight_ref(q, s).mT), f"seed {seed}"
+    _assert_same_q(Q.quantize_weight(w.mT.contiguous(), pow2), (qT, sT), f"seed {seed}: requantized transpose")
+
+
+# --------------------------------------------------------------------------------------------------
+# routing fixtures
+# --------------------------------------------------------------------------------------------------
+
+
+def _routing(T, K, E, kind):
+    """topk_ids_TK for a routing pattern named by ``kind``."""
+    if kind == "random":
+        ids = torch.rand(T, E, device=DEVICE).argsort(dim=1)[:, :K]
+    elif kind == "empty_expert":  # experts 0 and E-1 get nothing
+        ids = 1 + torch.rand(T, E - 2, device=DEVICE).argsort(dim=1)[:, :K]
+    elif kind == "one_expert":  # every slot on one expert
+        ids = torch.full((T, K), E // 2, device=DEVICE, dtype=torch.int64)
+    elif kind == "empty_slots":  # some slots -1 (expert parallelism's padding)
+        ids = torch.rand(T, E, device=DEVICE).argsort(dim=1)[:, :K]
+        ids[torch.rand(T, K, device=DEVICE) < 0.3] = -1
+    else:
+        raise ValueError(kind)
+    return ids.contiguous()
+
+
+# (T, top_k, E, kind): top-1 and top-8; row counts not multiples of any tile; awkward routings.
+ROUTINGS = [
+    (37, 1, 4, "random"),
+    (13, 8, 10, "random"),
+    (30, 2, 5, "empty_expert"),
+    (33, 2, 4, "one_expert"),
+    (29, 3, 6, "empty_slots"),
+]
+
+
+def _covered(offsets_E1):
+    return int(offsets_E1[-1])
+
+
+# --------------------------------------------------------------------------------------------------
+# grouped GEMM
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("D", [200, 256])
+@pytest.mark.parametrize("routing", ROUTINGS, ids=lambda r: f"T{r[0]}k{r[1]}E{r[2]}-{r[3]}")
+def test_grouped_gemm_gathered(routing, D):
+    seed = _seed()
+    T, K, E, kind = routing
+    N = 96
+    msg = f"seed {seed} {routing} D={D}"
+    x = _input(T, D, torch.bfloat16, zeros=False)
+    w = torch.randn(E, N, D, device=DEVICE) * 0.05
+    ids = _routing(T, K, E, kind)
+    slots, offs = sort_by_expert(ids, E)
+    xq, xs = Q.quantize_rowwise(x)
+    wq, ws = Q.quantize_weight(w)
+    n = _covered(offs)
+
+    out = G.fp8_grouped_gemm(xq, xs, wq, ws, offs, slots, K, out_dtype=torch.float32)
+    ref = G.fp8_grouped_gemm_ref(xq, xs, wq, ws, offs, slots, K)
+    scale = ref[:n].abs().max().clamp(min=1e-30)
+    torch.testing.assert_close(out[:n].double(), ref[:n], rtol=1e-5, atol=1e-6 * scale, msg=_m(msg))
+
+    # FP8-level against the unquantized product.
+    xg = x.double()[slots.long() // K]
+    exact = torch.zeros_like(ref)
+    for e in range(E):
+        exact[offs[e] : offs[e + 1]] = xg[offs[e] : offs[e + 1]] @ w[e].double().t()
+    if n:
+        rel = ((out[:n].double() - exact[:n]).norm() / exact[:n].norm()).item()
+        assert rel < 0.06, f"{msg}: relative error vs unquantized {rel}"
+
+    out_bf16 = G.fp8_grouped_gemm(xq, xs, wq, ws, offs, slots, K, out_dtype=torch.bfloat16)
+    # Same fp32 accumulator, rounded to nearest even on the store.
+    assert torch.equal(out_bf16[:n], out[:n].to(torch.bfloat16)), f"{msg}: bf16 output is not the rounded fp32 one"
+
+
+
+def test_grouped_gemm_sorted_rows_and_transposed_weight():
+    """Down-GEMM layout (A already expert-sorted, no gather) with pow2 scales, and dgrad through
+    the transposed weight bytes (no requantization)."""
+    seed = _seed()
+    T, K, E, F, D = 40, 2, 4, 160, 136
+    slots, offs = sort_by_expert(_routing(T, K, E, "random"), E)
+    a = torch.randn(T * K, F, device=DEVICE)
+    w2 = torch.randn(E, D, F, device=DEVICE) * 0.05
+    aq, as_ = Q.quantize_rowwise(a, pow2_scales=True)
+    wq, ws = Q.quantize_weight(w2, pow2_scales=True)
+    out = G.fp8_grouped_gemm(aq, as_, wq, ws, offs, None, out_dtype=torch.float32)
+    ref = G.fp8_grouped_gemm_ref(aq, as_, wq, ws, offs)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6 * ref.abs().max(), msg=_m(f"seed {seed}"))
+
+    # dgrad: dA = dY @ w2[e] uses w2[e]^T as the (N, K) operand: q.mT, s.mT.
+    dy = torch.randn(T * K, D, device=DEVICE)
+    dyq, dys = Q.quantize_rowwise(dy)
+    wqT, wsT = wq.mT.contiguous(), ws.mT.contiguous()
+    da = G.fp8_grouped_gemm(dyq, dys, wqT, wsT, offs, None, out_dtype=torch.float32)
+    exact = torch.cat([dy[offs[e] : offs[e + 1]].double() @ w2[e].double() for e in range(E)])
+    rel = ((da.double() - exact).norm() / exact.norm()).item()
+    assert rel < 0.06, f"seed {seed}: dgrad relative error {rel}"
+
+
+@pytest.mark.parametrize("routing", ROUTINGS[:3] + ROUTINGS[4:], ids=lambda r: f"T{r[0]}k{r[1]}E{r[2]}-{r[3]}")
+def test_gate_up_swiglu(routing):
+    """w1/w3 GEMM with the SwiGLU epilogue; A written already quantized == quantize_rowwise(A)."""
+    seed = _seed()
+    T, K, E, kind = routing
+    D, F = 136, 160
+    msg = f"seed {seed} {routing}"
+    x = _input(T, D, torch.float32, zeros=False)
+    w1 = torch.randn(E, F, D, device=DEVICE) * 0.05
+    w3 = torch.randn(E, F, D, device=DEVICE) * 0.05
+    slots, offs = sort_by_expert(_routing(T, K, E, kind), E)
+    xq, xs = Q.quantize_rowwise(x)
+    w1q, w1s = Q.quantize_weight(w1)
+    w3q, w3s = Q.quantize_weight(w3)
+    n = _covered(offs)
+    h, a, (aq, as_) = G.fp8_gate_up_swiglu(
+        xq, xs, w1q, w1s, w3q, w3s, slots, offs, K, out_dtype=torch.float32, quantize_a=True
+    )
+    g, u, a_ref = G.fp8_gate_up_swiglu_ref(xq, xs, w1q, w1s, w3q, w3s, slots, offs, K)
+    tol = dict(rtol=1e-5, atol=1e-6 * g[:n].abs().max().clamp(min=1e-30))
+    torch.testing.assert_close(h[:n, :F].double(), g[:n], **tol, msg=_m(msg))
+    torch.testing.assert_close(h[:n, F:].double(), u[:n], **tol, msg=_m(msg))
+    torch.testing.assert_close(a[:n].double(), a_ref[:n], rtol=1e-4, atol=1e-5 * a_ref[:n].abs().max().clamp(min=1e-30), msg=_m(msg))
+    _assert_same_q((aq[:n], as_[:n]), Q.quantize_rowwise(a[:n].contiguous()), f"{msg}: fused A quantization")
+    h16, a16, (aq16, as16) = G.fp8_gate_up_swiglu(xq, xs, w1q, w1s, w3q, w3s, slots, offs, K, quantize_a=True)
+    assert torch.equal(h16[:n], h[:n].to(torch.bfloat16)), f"{msg}: bf16 H is not the rounded fp32 one"
+    _assert_same_q((aq16[:n], as16[:n]), Q.quantize_rowwise(a16[:n].contiguous()), f"{msg}: fused A (bf16)")
+
+
+# --------------------------------------------------------------------------------------------------
+# wgrad
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize(
+    "routing", [(70, 2, 4, "empty_expert"), (150, 1, 3, "one_expert"), (20, 8, 9, "random"), (40, 3, 4, "empty_slots")],
+    ids=lambda r: f"T{r[0]}k{r[1]}E{r[2]}-{r[3]}",
+)
+def test_cols_grouped_and_wgrad(routing, pow2):
+    """Token-dim quantization per expert 128-row block (gathered x, sorted dH), bit-exact vs the
+    reference, and dW[e] = dH_e^T @ x_e: tight vs float64 of the dequantized operands, FP8-level vs
+    the unquantized product, exact zeros for an expert with no rows."""
+    seed = _seed()
+    T, K, E, kind = routing
+    D, F = 72, 48
+    msg = f"seed {seed} {routing} pow2={pow2}"
+    x = _input(T, D, torch.bfloat16, zeros=False)
+    slots, offs = sort_by_expert(_routing(T, K, E, kind), E)
+    dh = torch.randn(T * K, F, device=DEVICE)
+    n = _covered(offs)
+
+    btq, bts = Q.quantize_cols_grouped(x, offs, slots, K, pow2)
+    atq, ats = Q.quantize_cols_grouped(dh, offs, None, 1, pow2)
+    for got, src, sl in (((btq, bts), x, slots), ((atq, ats), dh, None)):
+        want = Q.quantize_cols_grouped_ref(src, offs, sl, K if sl is not None else 1, pow2)
+        _assert_same_q((got[0][:, :n], got[1]), (want[0][:, :n], want[1]), msg)
+
+    dw = G.fp8_wgrad(atq, ats, btq, bts, offs)
+    ref = G.fp8_wgrad_ref(atq, ats, btq, bts, offs)
+    torch.testing.assert_close(dw.double(), ref, rtol=1e-5, atol=1e-6 * ref.abs().max(), msg=_m(msg))
+    counts = offs.diff()
+    assert (dw[counts == 0] == 0).all(), msg
+    xg = x.double()[slots.long() // K]
+    exact = torch.stack([dh[offs[e] : offs[e + 1]].double().t() @ xg[offs[e] : offs[e + 1]] for e in range(E)])
+    rel = ((dw.double() - exact).norm() / exact.norm()).item()
+    assert rel < 0.06, f"{msg}: relative error vs unquantized {rel}"
+
+
+# --------------------------------------------------------------------------------------------------
+# argument checks
+# --------------------------------------------------------------------------------------------------
+
+
+def test_clear_errors():
+    x = torch.randn(4, 130, device=DEVICE)
+    with pytest.raises(TypeError, match="bf16/fp16/fp32"):
+        Q.quantize_rowwise(x.to(torch.int32))
+    with pytest.raises(ValueError, match="contiguous"):
+        Q.quantize_rowwise(x.t())
+    with pytest.raises(ValueError, match="2-D"):
+        Q.quantize_rowwise(x[None])
+    xq, xs = Q.quantize_rowwise(x)
+    wq, ws = Q.quantize_weight(torch.randn(2, 8, 130, device=DEVICE))
+    offs = torch.tensor([0, 2, 4], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        G.fp8_grouped_gemm(x, xs, wq, ws, offs)
+    with pytest.raises(ValueError, match="a_s"):
+        G.fp8_grouped_gemm(xq, xs[:, :1].contiguous(), wq, ws, offs)
+    with pytest.raises(ValueError, match="K ="):
+        G.fp8_grouped_gemm(xq[:, :128].contiguous(), xs[:, :1].contiguous(), wq, ws, offs)
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU only: the hardware path at an expert shape
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not _HAS_CUDA, reason="needs a CUDA GPU (H200)")
+def test_gpu_gate_up_at_30b_shape():
+    """Accuracy at the Qwen3-30B-A3B expert shape (D 2048, F 768, E 128, top-8) on the GPU:
+    tight vs the dequantized float64 reference on a few experts, FP8-level vs bf16."""
+    seed = _seed()
+    T, K, E, D, F = 2048, 8, 128, 2048, 768
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    w1 = (torch.randn(E, F, D, device="cuda") * 0.02).to(torch.bfloat16)
+    w3 = (torch.randn(E, F, D, device="cuda") * 0.02).to(torch.bfloat16)
+    slots, offs = sort_by_expert(_routing(T, K, E, "random"), E)
+    xq, xs = Q.quantize_rowwise(x)
+    w1q, w1s = Q.quantize_weight(w1)
+    w3q, w3s = Q.quantize_weight(w3)
+    h, a, (aq, as_) = G.fp8_gate_up_swiglu(xq, xs, w1q, w1s, w3q, w3s, slots, offs, K, quantize_a=True)
+    g, _, _ = G.fp8_gate_up_swiglu_ref(xq, xs, w1q, w1s, w3q, w3s, slots, offs, K)
+    rel = ((h[:, :F].double() - g).norm() / g.norm()).item()
+    assert rel < 4e-3, f"seed {seed}: vs dequantized reference {rel}"
+    _assert_same_q((aq, as_), Q.quantize_rowwise(a), f"seed {seed}: fused A quantization")
