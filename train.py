@@ -22,10 +22,11 @@ import torch.nn.functional as F
 
 from components.checkpoint import CheckpointError, CheckpointManager, model_identity
 from components.config import ConfigError, JobConfig, parse_args
-from components.dataloader import build_dataloader
+from components.dataloader import DataError, build_dataloader
 from components.metrics import MetricsLogger, flops_per_token
 from components.optimizer import build_lr_scheduler, build_optimizer
-from components.tokenizer import build_tokenizer
+from components.profiling import StepProfiler
+from components.tokenizer import TokenizerError, build_tokenizer
 from models.moe.router import update_expert_bias
 from models.qwen3.args import get_model_args
 from models.qwen3.model import Qwen3MoE, count_params
@@ -101,12 +102,15 @@ class Trainer:
                               f"than the {m.flavor} model's vocab_size {self.model_args.vocab_size}")
         dp_rank = self.parallel_dims.dp_mesh.get_local_rank() if self.distributed else 0
         self.dataloader = build_dataloader(t.dataset_path, self.tokenizer, t.seq_len, t.local_batch_size,
-                                           dp_rank=dp_rank, dp_world_size=dp, seed=t.seed)
+                                           dp_rank=dp_rank, dp_world_size=dp, seed=t.seed,
+                                           text_field=t.dataset_text_field, hf_config=t.dataset_config_name,
+                                           hf_split=t.dataset_split)
 
         seed_everything(t.seed, t.deterministic)
         with torch.device("meta"):
             model = Qwen3MoE(self.model_args, moe_backend=cfg.moe.backend,
-                             use_expert_bias=cfg.moe.load_balance == "expert_bias")
+                             use_expert_bias=cfg.moe.load_balance == "expert_bias",
+                             attention_backend=m.attention_backend)
         parallelize_model(model, self.parallel_dims, cfg, self.distributed)
         model.to_empty(device=self.device)
         model.init_weights()
@@ -156,6 +160,7 @@ class Trainer:
             totals += torch.stack([ce.detach(), aux.detach(), router_stats_L3E[:, 2].sum()])
             counts = router_stats_L3E[:, 0].detach()
             tokens_per_expert_LE = counts if tokens_per_expert_LE is None else tokens_per_expert_LE + counts
+        self.tokens_per_expert_LE = tokens_per_expert_LE  # this rank's, for [metrics] log_expert_load
 
         if self.parallel_dims.ep_enabled:
             finish_expert_grads(self.model, self.parallel_dims.mesh, self.parallel_dims.dp_size)
@@ -187,6 +192,13 @@ class Trainer:
                 update_expert_bias(bias_E, counts_E, cfg.moe.bias_update_rate)
         return loss_value, aux_value, grad_norm
 
+    def expert_load_line(self) -> str:
+        """Per-layer expert load of the last step over all data-parallel ranks (collective)."""
+        counts_LE = self.tokens_per_expert_LE.detach().clone()
+        if self.distributed:
+            torch.distributed.all_reduce(counts_LE, group=self.parallel_dims.dp_mesh.get_group())
+        return self.metrics.log_expert_load(self.step, counts_LE)
+
     def train(self) -> None:
         t = self.cfg.training
         log = print if self.rank == 0 else (lambda *a, **k: None)
@@ -194,20 +206,36 @@ class Trainer:
         self.step = self.checkpoint.maybe_load()
         if self.step:
             log(f"resumed from the checkpoint of step {self.step}", flush=True)
+        elif self.cfg.checkpoint.initial_load_path:
+            log(f"initial weights from {self.cfg.checkpoint.initial_load_path} "
+                f"({self.cfg.checkpoint.initial_load_format})", flush=True)
+        profiler = StepProfiler(self.cfg.profiling, self.cfg.job.dump_folder, self.rank, self.device, log=log)
         data_iter = iter(self.dataloader)
         self.metrics.start()
-        while self.step < t.steps:
-            self.step += 1
-            lr = self.optimizer.param_groups[0]["lr"]
-            loss, aux, grad_norm = self.train_step(data_iter)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.metrics.step_done(self.step)
-            if self.step == 1 or self.step % self.cfg.metrics.log_freq == 0 or self.step == t.steps:
-                log(self.metrics.log(self.step, loss, aux, grad_norm, lr), flush=True)
-            if self.checkpoint.should_save(self.step, t.steps):
-                path = self.checkpoint.save(self.step)
-                log(f"saved checkpoint {path}", flush=True)
+        try:
+            while self.step < t.steps:
+                self.step += 1
+                profiler.step_start(self.step)
+                lr = self.optimizer.param_groups[0]["lr"]
+                loss, aux, grad_norm = self.train_step(data_iter)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                self.metrics.step_done(self.step)
+                profiler.step_end(self.step)
+                if self.step == 1 or self.step % self.cfg.metrics.log_freq == 0 or self.step == t.steps:
+                    log(self.metrics.log(self.step, loss, aux, grad_norm, lr), flush=True)
+                    if self.cfg.metrics.log_expert_load:
+                        log(self.expert_load_line(), flush=True)
+                if (done := self.checkpoint.poll()) is not None:
+                    log(f"checkpoint {done} written", flush=True)
+                if self.checkpoint.should_save(self.step, t.steps):
+                    path = self.checkpoint.save(self.step)
+                    log(f"{'saving' if self.cfg.checkpoint.async_mode == 'async' else 'saved'} checkpoint {path}",
+                        flush=True)
+            if (done := self.checkpoint.wait()) is not None:  # the last async save, before the process exits
+                log(f"checkpoint {done} written", flush=True)
+        finally:
+            profiler.close()
         log(self.metrics.summary(), flush=True)
         self.metrics.close()
 
@@ -222,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         trainer.train()
         print(f"done in {time.perf_counter() - start:.1f}s", flush=True)
-    except (ConfigError, FileNotFoundError, CheckpointError, NotImplementedError) as e:
+    except (ConfigError, FileNotFoundError, CheckpointError, NotImplementedError, DataError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (NonFiniteLossError, ExpertCapacityError) as e:

@@ -1,44 +1,72 @@
-"""Packed language-model batches from local text files.
+"""Packed language-model batches from local files, pre-tokenized shards or a streamed Hugging Face
+dataset.
 
     loader = build_dataloader("assets/data/stories", tokenizer, seq_len=256, local_batch_size=8,
                               dp_rank=rank, dp_world_size=world, seed=0)
     input_ids_BL, labels_BL = next(loader)       # int64 [B, L]; labels_BL = input_ids shifted by one
 
-How the token stream is made and cut:
-  * ``dataset_path`` is a ``.txt`` file or a folder searched recursively for ``.txt`` files, read in
-    sorted order of their path; every non-empty line is one document.
-  * Each document is encoded as ``[bos] + tokens + [eos]`` and all are concatenated, in order, into
-    one int32 stream. This happens once, at construction.
-  * The stream is cut into ``N = len(stream) // (L + 1)`` samples of ``L + 1`` tokens; the remainder
+``dataset_path`` (``[training] dataset_path``) is one of:
+  * a file, or a folder searched recursively (files read in sorted order of their path), of
+    - ``.txt``: every non-empty line is one document (stripped of surrounding whitespace);
+    - ``.jsonl`` / ``.ndjson`` / ``.json`` (JSON lines): one JSON object per line, the document in
+      its ``text_field`` (``[training] dataset_text_field``); blank lines are skipped;
+    - ``.parquet``: one document per row, in the column ``text_field``;
+    Text formats may be mixed in one folder; other files are ignored.
+  * pre-tokenized ``.bin`` shards written by ``scripts/pretokenize.py`` (a file or a folder of them,
+    not mixed with text files): memory-mapped, never loaded whole (see :func:`read_token_shard`).
+  * ``hf:<name>``: a Hugging Face dataset streamed with the ``datasets`` package (needs a network or
+    its cache), see :class:`StreamingTextDataLoader`.
+
+How local data is packed (:class:`PackedTextDataLoader`):
+  * Each document is encoded as ``[bos] + tokens + [eos]`` (no ``bos`` if the tokenizer has none,
+    e.g. Qwen3's) and all are concatenated, in order, into one stream. Text is tokenized once, at
+    construction; ``.bin`` shards already hold such streams, one per shard.
+  * Each stream is cut into ``len(stream) // (L + 1)`` samples of ``L + 1`` tokens; the remainder
     is dropped. Documents run across sample boundaries (packing, no padding, no attention mask).
-  * Sample ``i`` belongs to data-parallel rank ``i % dp_world_size``, so ranks never share a sample.
+  * Sample ``i`` (numbered over all streams) belongs to data-parallel rank ``i % dp_world_size``, so
+    ranks never share a sample.
   * Every epoch, a rank visits its samples in an order shuffled from ``(seed, epoch)``, in batches
     of ``B = local_batch_size``; a last partial batch is dropped, then the next epoch starts. All
     ranks have the same number of batches per epoch only if their sample counts agree to within B;
     the loader is infinite, so the train loop's step count decides when to stop.
 
-The loader is stateful for checkpointing: ``state_dict()`` holds the epoch and the number of
-batches already taken in it, and ``load_state_dict`` makes a fresh loader continue with exactly
-the batches the saved one would have produced next.
+Both loaders are stateful for checkpointing: ``state_dict()`` holds the position, and
+``load_state_dict`` makes a fresh loader continue with exactly the batches the saved one would have
+produced next.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
+import struct
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from components.tokenizer import Tokenizer
 
+TEXT_SUFFIXES = {".txt": "text", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+TOKEN_SUFFIX = ".bin"
+HF_PREFIX = "hf:"
+
+# Pre-tokenized shard: a 32-byte header, then num_tokens little-endian unsigned ints of itemsize bytes.
+SHARD_MAGIC = b"QMOETOK1"
+_SHARD_HEADER = struct.Struct("<8sIIQQ")  # magic, itemsize (2 or 4), reserved, vocab_size, num_tokens
+
+
+class DataError(ValueError):
+    """A problem with the dataset (path, file contents or size), reported to the user as one message."""
+
 
 class PackedTextDataLoader:
-    """Infinite iterator of ``(input_ids_BL, labels_BL)`` over one rank's share of a token stream.
+    """Infinite iterator of ``(input_ids_BL, labels_BL)`` over one rank's share of token streams.
 
     Args:
-        tokens: the whole packed stream, 1-D integer tensor (stored as int32).
+        tokens: the packed stream, a 1-D integer tensor or numpy array (a ``np.memmap`` stays on
+            disk), or a list of them (shards: samples never straddle two).
         seq_len: L, tokens per sample fed to the model (each sample holds L + 1 tokens).
         local_batch_size: B, samples per batch on this rank.
         dp_rank, dp_world_size: this rank's index among the data-parallel ranks, and their number.
@@ -46,11 +74,17 @@ class PackedTextDataLoader:
         source: where the tokens came from, for error messages.
     """
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int, local_batch_size: int, dp_rank: int = 0,
-                 dp_world_size: int = 1, seed: int = 0, source: str = "<tokens>"):
+    def __init__(self, tokens: torch.Tensor | np.ndarray | Sequence[torch.Tensor | np.ndarray], seq_len: int,
+                 local_batch_size: int, dp_rank: int = 0, dp_world_size: int = 1, seed: int = 0,
+                 source: str = "<tokens>"):
         _check_sizes(seq_len, local_batch_size, dp_rank, dp_world_size, seed)
-        if tokens.dim() != 1 or tokens.dtype.is_floating_point:
-            raise ValueError(f"tokens must be a 1-D integer tensor, got {tuple(tokens.shape)} {tokens.dtype}")
+        shards = list(tokens) if isinstance(tokens, (list, tuple)) else [tokens]
+        self._shards = []
+        for s in shards:
+            arr = s.numpy() if isinstance(s, torch.Tensor) else s
+            if arr.ndim != 1 or arr.dtype.kind not in "iu":
+                raise ValueError(f"tokens must be 1-D integer arrays, got {tuple(arr.shape)} {arr.dtype}")
+            self._shards.append(arr)
         self.seq_len = seq_len
         self.local_batch_size = local_batch_size
         self.dp_rank = dp_rank
@@ -58,19 +92,21 @@ class PackedTextDataLoader:
         self.seed = seed
 
         S = seq_len + 1
-        self.num_tokens = tokens.numel()
-        self.num_samples = self.num_tokens // S
+        self.num_tokens = sum(len(a) for a in self._shards)
+        # First global sample id of each shard; sample i lives in shard searchsorted(starts, i) - 1.
+        counts = [len(a) // S for a in self._shards]
+        self._shard_starts = np.cumsum([0] + counts)
+        self.num_samples = int(self._shard_starts[-1])
         # This rank's samples are the global ids dp_rank, dp_rank + W, ...; it needs B of them.
         needed_samples = dp_rank + (local_batch_size - 1) * dp_world_size + 1
         if self.num_samples < needed_samples:
-            raise ValueError(
+            raise DataError(
                 f"dataset {source} is too small: it has {self.num_tokens} tokens, which make "
                 f"{self.num_samples} samples of seq_len + 1 = {S} tokens; rank {dp_rank} of "
                 f"{dp_world_size} needs at least {needed_samples * S} tokens ({needed_samples} samples) "
                 f"for one batch of local_batch_size = {local_batch_size}. Use a larger corpus or a "
                 f"smaller seq_len / local_batch_size."
             )
-        self._samples_NS = tokens[: self.num_samples * S].to(torch.int32).view(self.num_samples, S)
         self._rank_ids = torch.arange(dp_rank, self.num_samples, dp_world_size)
         self.batches_per_epoch = len(self._rank_ids) // local_batch_size
 
@@ -84,14 +120,20 @@ class PackedTextDataLoader:
         perm = np.random.default_rng([self.seed, epoch]).permutation(len(self._rank_ids))
         return self._rank_ids[torch.from_numpy(perm)]
 
+    def _sample(self, i: int) -> np.ndarray:
+        """Global sample ``i``: its L + 1 tokens, int64."""
+        shard = int(np.searchsorted(self._shard_starts, i, side="right")) - 1
+        start = (i - int(self._shard_starts[shard])) * (self.seq_len + 1)
+        return np.asarray(self._shards[shard][start: start + self.seq_len + 1], dtype=np.int64)
+
     def __iter__(self) -> PackedTextDataLoader:
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         B = self.local_batch_size
         start = self._batch_in_epoch * B
-        ids_B = self._order[start: start + B]
-        rows_BS = self._samples_NS[ids_B].long()
+        ids_B = self._order[start: start + B].tolist()
+        rows_BS = torch.from_numpy(np.stack([self._sample(i) for i in ids_B]))
         input_ids_BL = rows_BS[:, :-1].contiguous()
         labels_BL = rows_BS[:, 1:].contiguous()
 
@@ -123,14 +165,7 @@ class PackedTextDataLoader:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from a saved position; the data, sizes, rank layout and seed must be the same."""
         expected = self._identity()
-        missing = [k for k in ("epoch", "batch_in_epoch", *expected) if k not in state_dict]
-        if missing:
-            raise ValueError(f"dataloader state is missing {missing}")
-        mismatched = {k: (int(state_dict[k]), v) for k, v in expected.items() if int(state_dict[k]) != v}
-        if mismatched:
-            detail = ", ".join(f"{k}: saved {saved}, now {now}" for k, (saved, now) in mismatched.items())
-            raise ValueError(f"dataloader state does not match this loader ({detail}); resuming would "
-                             f"replay or skip data")
+        _check_identity(state_dict, expected, ("epoch", "batch_in_epoch"))
         epoch, batch = int(state_dict["epoch"]), int(state_dict["batch_in_epoch"])
         if epoch < 0 or not 0 <= batch < self.batches_per_epoch:
             raise ValueError(f"dataloader state out of range: epoch {epoch}, batch_in_epoch {batch} "
@@ -144,6 +179,105 @@ class PackedTextDataLoader:
                 f"rank={self.dp_rank}/{self.dp_world_size}, batches_per_epoch={self.batches_per_epoch})")
 
 
+class StreamingTextDataLoader:
+    """Infinite iterator of ``(input_ids_BL, labels_BL)`` over a stream of documents that is read,
+    not held: a Hugging Face dataset with ``streaming=True``, or any re-openable iterable.
+
+    Document ``j`` of the stream belongs to rank ``j % dp_world_size`` (so no document, hence no
+    sample, is on two ranks). A rank tokenizes its documents into a buffer and cuts every batch of
+    ``B`` samples of ``L + 1`` tokens from its front, in stream order (no shuffle: a stream cannot
+    be permuted). When the stream ends, the tokens left (less than a batch) are dropped and the
+    next epoch reopens it.
+
+    Args:
+        open_documents: returns a fresh iterator over the documents (str), from the start.
+        tokenizer: encodes documents as ``[bos] + tokens + [eos]``.
+        seq_len, local_batch_size, dp_rank, dp_world_size: as for :class:`PackedTextDataLoader`.
+        source: the dataset's name, for messages and the state's identity.
+    """
+
+    def __init__(self, open_documents: Callable[[], Iterable[str]], tokenizer: Tokenizer, seq_len: int,
+                 local_batch_size: int, dp_rank: int = 0, dp_world_size: int = 1, source: str = "<stream>"):
+        _check_sizes(seq_len, local_batch_size, dp_rank, dp_world_size, 0)
+        self.open_documents = open_documents
+        self.tokenizer = tokenizer
+        self.seq_len, self.local_batch_size = seq_len, local_batch_size
+        self.dp_rank, self.dp_world_size, self.source = dp_rank, dp_world_size, source
+        self._epoch = 0
+        self._docs_read = 0  # documents of the stream (all ranks') consumed in this epoch
+        self._buffer: list[int] = []
+        self._docs: Iterator[str] | None = None
+        self._batches_this_epoch = 0
+
+    def _open(self) -> Iterator[str]:
+        # Skipping re-reads the stream's start; it happens once per resume, not per step.
+        return itertools.islice(iter(self.open_documents()), self._docs_read, None)
+
+    def __iter__(self) -> StreamingTextDataLoader:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        need = self.local_batch_size * (self.seq_len + 1)
+        while len(self._buffer) < need:
+            if self._docs is None:
+                self._docs = self._open()
+            doc = next(self._docs, None)
+            if doc is None:  # end of the stream: drop the partial batch, start the next epoch
+                if self._batches_this_epoch == 0 and self._docs_read == 0:
+                    raise DataError(f"dataset {self.source} is empty")
+                if self._batches_this_epoch == 0:
+                    raise DataError(
+                        f"dataset {self.source} is too small: rank {self.dp_rank} of {self.dp_world_size} got "
+                        f"{len(self._buffer)} tokens from a whole pass, less than one batch of "
+                        f"local_batch_size x (seq_len + 1) = {need}")
+                self._epoch += 1
+                self._docs_read, self._buffer, self._docs, self._batches_this_epoch = 0, [], None, 0
+                continue
+            j = self._docs_read
+            self._docs_read += 1
+            if j % self.dp_world_size == self.dp_rank and doc.strip():
+                self._buffer.extend(self.tokenizer.encode(doc, bos=True, eos=True))
+        rows_BS = torch.tensor(self._buffer[:need], dtype=torch.int64).view(self.local_batch_size, self.seq_len + 1)
+        del self._buffer[:need]
+        self._batches_this_epoch += 1
+        return rows_BS[:, :-1].contiguous(), rows_BS[:, 1:].contiguous()
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def _identity(self) -> dict[str, Any]:
+        return {"source": self.source, "seq_len": self.seq_len, "local_batch_size": self.local_batch_size,
+                "dp_rank": self.dp_rank, "dp_world_size": self.dp_world_size}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position: epoch, documents consumed and the tokenized leftovers not yet batched."""
+        return {"epoch": self._epoch, "docs_read": self._docs_read, "batches_this_epoch": self._batches_this_epoch,
+                "buffer": list(self._buffer), **self._identity()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        _check_identity(state_dict, self._identity(), ("epoch", "docs_read", "batches_this_epoch", "buffer"))
+        self._epoch, self._docs_read = int(state_dict["epoch"]), int(state_dict["docs_read"])
+        self._batches_this_epoch = int(state_dict["batches_this_epoch"])
+        self._buffer = [int(t) for t in state_dict["buffer"]]
+        self._docs = None  # reopened, skipping docs_read documents, on the next batch
+
+    def __repr__(self) -> str:
+        return (f"StreamingTextDataLoader({self.source!r}, seq_len={self.seq_len}, "
+                f"local_batch_size={self.local_batch_size}, rank={self.dp_rank}/{self.dp_world_size})")
+
+
+def _check_identity(state_dict: dict[str, Any], expected: dict[str, Any], position_keys: tuple[str, ...]) -> None:
+    missing = [k for k in (*position_keys, *expected) if k not in state_dict]
+    if missing:
+        raise ValueError(f"dataloader state is missing {missing}")
+    mismatched = {k: (state_dict[k], v) for k, v in expected.items() if type(v)(state_dict[k]) != v}
+    if mismatched:
+        detail = ", ".join(f"{k}: saved {saved}, now {now}" for k, (saved, now) in mismatched.items())
+        raise ValueError(f"dataloader state does not match this loader ({detail}); resuming would "
+                         f"replay or skip data")
+
+
 def _check_sizes(seq_len: int, local_batch_size: int, dp_rank: int, dp_world_size: int, seed: int) -> None:
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
@@ -155,29 +289,110 @@ def _check_sizes(seq_len: int, local_batch_size: int, dp_rank: int, dp_world_siz
         raise ValueError(f"seed must be >= 0, got {seed}")
 
 
-def text_files(dataset_path: str | Path) -> list[Path]:
-    """The ``.txt`` files that make up a dataset, in the order their documents are read."""
+# --- reading files -------------------------------------------------------------------------------
+
+
+def dataset_files(dataset_path: str | Path) -> list[Path]:
+    """The files that make up a local dataset, in the order their documents are read."""
     p = Path(dataset_path)
     if not p.exists():
-        raise FileNotFoundError(f"dataset not found: {p} (set by [training] dataset_path)")
+        raise FileNotFoundError(f"dataset not found: {p} (set by [training] dataset_path; a Hugging Face "
+                                f"dataset is written {HF_PREFIX}<name>)")
+    supported = (*TEXT_SUFFIXES, TOKEN_SUFFIX)
     if p.is_file():
+        if p.suffix not in supported:
+            raise DataError(f"dataset file {p} ([training] dataset_path) has an unsupported extension; "
+                            f"supported: {', '.join(supported)}")
         return [p]
-    files = sorted((f for f in p.rglob("*.txt") if f.is_file()), key=lambda f: f.relative_to(p).as_posix())
+    files = sorted((f for f in p.rglob("*") if f.is_file() and f.suffix in supported),
+                   key=lambda f: f.relative_to(p).as_posix())
     if not files:
-        raise ValueError(f"dataset folder {p} ([training] dataset_path) has no .txt files")
+        raise DataError(f"dataset folder {p} ([training] dataset_path) has no .txt files "
+                        f"(nor {', '.join(s for s in supported if s != '.txt')} files)")
+    kinds = {f.suffix == TOKEN_SUFFIX for f in files}
+    if len(kinds) > 1:
+        raise DataError(f"dataset folder {p} mixes pre-tokenized {TOKEN_SUFFIX} shards with text files; "
+                        f"point [training] dataset_path at one kind")
     return files
 
 
-def read_documents(files: Sequence[Path]) -> list[str]:
-    """Every non-empty line of every file, stripped of surrounding whitespace, in order."""
-    docs = []
-    for f in files:
+text_files = dataset_files  # the name before other formats existed
+
+
+def _iter_jsonl(path: Path, text_field: str) -> Iterator[str]:
+    with path.open("r", encoding="utf-8") as f:
         try:
-            text = f.read_text(encoding="utf-8")
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: not a JSON object ({e.msg}); JSON-lines files hold one "
+                                    f"object per line") from None
+                if not isinstance(record, dict):
+                    raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+                if text_field not in record:
+                    raise DataError(f"{path}:{lineno}: no {text_field!r} field (keys: {', '.join(record)}); set "
+                                    f"[training] dataset_text_field to the field that holds the text")
+                text = record[text_field]
+                if text is None:
+                    continue
+                if not isinstance(text, str):
+                    raise DataError(f"{path}:{lineno}: field {text_field!r} is {type(text).__name__}, not a string")
+                if text.strip():
+                    yield text
         except UnicodeDecodeError as e:
-            raise ValueError(f"dataset file {f} is not valid UTF-8: {e}") from e
-        docs.extend(line.strip() for line in text.split("\n") if line.strip())
-    return docs
+            raise DataError(f"dataset file {path} is not valid UTF-8: {e}") from None
+
+
+def _iter_parquet(path: Path, text_field: str) -> Iterator[str]:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise DataError(f"{path}: reading Parquet needs the pyarrow package: pip install pyarrow") from e
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"dataset file {path} is not a readable Parquet file: {e}") from None
+    names = pf.schema_arrow.names
+    if text_field not in names:
+        raise DataError(f"{path}: no {text_field!r} column (columns: {', '.join(names)}); set "
+                        f"[training] dataset_text_field to the column that holds the text")
+    ftype = pf.schema_arrow.field(text_field).type
+    if not (pa.types.is_string(ftype) or pa.types.is_large_string(ftype)):
+        raise DataError(f"{path}: column {text_field!r} is {ftype}, not a string column")
+    for i in range(pf.num_row_groups):  # one row group at a time: large files stay out of memory
+        for text in pf.read_row_group(i, columns=[text_field]).column(0).to_pylist():
+            if text is not None and text.strip():
+                yield text
+
+
+def _iter_txt(path: Path) -> Iterator[str]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"dataset file {path} is not valid UTF-8: {e}") from e
+    yield from (line.strip() for line in text.split("\n") if line.strip())
+
+
+def iter_documents(files: Sequence[Path], text_field: str = "text") -> Iterator[str]:
+    """Every document of every (text-format) file, in order."""
+    for f in files:
+        kind = TEXT_SUFFIXES.get(f.suffix)
+        if kind == "text":
+            yield from _iter_txt(f)
+        elif kind == "jsonl":
+            yield from _iter_jsonl(f, text_field)
+        elif kind == "parquet":
+            yield from _iter_parquet(f, text_field)
+        else:
+            raise DataError(f"{f} is not a text-format dataset file")
+
+
+def read_documents(files: Sequence[Path], text_field: str = "text") -> list[str]:
+    return list(iter_documents(files, text_field))
 
 
 def tokenize_documents(docs: Sequence[str], tokenizer: Tokenizer) -> torch.Tensor:
@@ -191,11 +406,102 @@ def tokenize_documents(docs: Sequence[str], tokenizer: Tokenizer) -> torch.Tenso
     return torch.from_numpy(stream)
 
 
+# --- pre-tokenized shards ------------------------------------------------------------------------
+
+
+def write_token_shard(path: str | Path, tokens: np.ndarray, vocab_size: int) -> None:
+    """Write one pre-tokenized shard: header + tokens as uint16 (vocab <= 65536) or uint32."""
+    dtype = np.uint16 if vocab_size <= 2**16 else np.uint32
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        raise ValueError(f"token ids must be in [0, {vocab_size}), got [{tokens.min()}, {tokens.max()}]")
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with tmp.open("wb") as f:
+        f.write(_SHARD_HEADER.pack(SHARD_MAGIC, np.dtype(dtype).itemsize, 0, vocab_size, tokens.size))
+        f.write(tokens.astype(dtype).tobytes())
+    tmp.replace(path)  # a shard is whole or absent
+
+
+def read_token_shard(path: str | Path) -> tuple[np.ndarray, int]:
+    """(tokens memory-mapped read-only, vocab size the shard was written for)."""
+    path = Path(path)
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(_SHARD_HEADER.size)
+    if len(head) < _SHARD_HEADER.size or head[:8] != SHARD_MAGIC:
+        raise DataError(f"{path} is not a pre-tokenized shard (no {SHARD_MAGIC!r} header); write shards "
+                        f"with scripts/pretokenize.py")
+    _, itemsize, _, vocab_size, num_tokens = _SHARD_HEADER.unpack(head)
+    if itemsize not in (2, 4):
+        raise DataError(f"{path}: token size {itemsize} bytes in the header; expected 2 or 4")
+    if size != _SHARD_HEADER.size + itemsize * num_tokens:
+        raise DataError(f"{path} is truncated or corrupt: the header announces {num_tokens} tokens "
+                        f"({_SHARD_HEADER.size + itemsize * num_tokens} bytes), the file has {size} bytes")
+    if num_tokens == 0:
+        return np.zeros(0, dtype=np.uint16), vocab_size
+    dtype = np.uint16 if itemsize == 2 else np.uint32
+    return np.memmap(path, dtype=dtype, mode="r", offset=_SHARD_HEADER.size, shape=(num_tokens,)), vocab_size
+
+
+# --- entry point ---------------------------------------------------------------------------------
+
+
+def _open_hf_dataset(spec: str, text_field: str, config_name: str, split: str) -> Callable[[], Iterator[str]]:
+    name = spec[len(HF_PREFIX):]
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"[training] dataset_path = {spec!r} streams a Hugging Face dataset, which needs the "
+                        f"`datasets` package (pip install datasets) and a network connection; or download "
+                        f"it once and point dataset_path at its .jsonl/.parquet files") from None
+
+    def load():
+        try:
+            return datasets.load_dataset(name, config_name or None, split=split, streaming=True)
+        except Exception as e:  # network, unknown name, unknown split: all end the same way for the user
+            raise DataError(f"could not open the Hugging Face dataset {name!r} (config {config_name or None!r}, "
+                            f"split {split!r}): {type(e).__name__}: {e}. Streaming needs a network "
+                            f"connection; offline, point [training] dataset_path at local files") from None
+
+    load()  # fail at start, not at the first step
+
+    def open_documents() -> Iterator[str]:
+        for i, record in enumerate(load()):
+            if text_field not in record:
+                raise DataError(f"{spec}: record {i} has no {text_field!r} field (fields: {', '.join(record)}); "
+                                f"set [training] dataset_text_field")
+            text = record[text_field]
+            if isinstance(text, str):
+                yield text
+            elif text is not None:
+                raise DataError(f"{spec}: record {i} field {text_field!r} is {type(text).__name__}, not a string")
+    return open_documents
+
+
 def build_dataloader(dataset_path: str, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
-                     dp_rank: int = 0, dp_world_size: int = 1, seed: int = 0) -> PackedTextDataLoader:
-    """Read, tokenize and pack ``dataset_path`` (``[training] dataset_path``) for one DP rank."""
+                     dp_rank: int = 0, dp_world_size: int = 1, seed: int = 0, text_field: str = "text",
+                     hf_config: str = "", hf_split: str = "train"
+                     ) -> PackedTextDataLoader | StreamingTextDataLoader:
+    """The loader for ``dataset_path`` (``[training] dataset_path``) on one DP rank: local files
+    are read and tokenized now (or memory-mapped, for ``.bin`` shards); ``hf:<name>`` streams."""
     _check_sizes(seq_len, local_batch_size, dp_rank, dp_world_size, seed)  # before the slow part
-    docs = read_documents(text_files(dataset_path))
-    tokens = tokenize_documents(docs, tokenizer)
+    if dataset_path.startswith(HF_PREFIX):
+        open_documents = _open_hf_dataset(dataset_path, text_field, hf_config, hf_split)
+        return StreamingTextDataLoader(open_documents, tokenizer, seq_len, local_batch_size, dp_rank,
+                                       dp_world_size, source=dataset_path)
+    files = dataset_files(dataset_path)
+    if files[0].suffix == TOKEN_SUFFIX:
+        shards = []
+        for f in files:
+            tokens, vocab_size = read_token_shard(f)
+            if vocab_size != tokenizer.vocab_size:
+                raise DataError(f"{f} was tokenized with a vocabulary of {vocab_size} tokens, but [model] "
+                                f"tokenizer_path has {tokenizer.vocab_size}: re-run scripts/pretokenize.py "
+                                f"with this tokenizer")
+            shards.append(tokens)
+        return PackedTextDataLoader(shards, seq_len, local_batch_size, dp_rank, dp_world_size, seed,
+                                    source=str(dataset_path))
+    tokens = tokenize_documents(read_documents(files, text_field), tokenizer)
     return PackedTextDataLoader(tokens, seq_len, local_batch_size, dp_rank, dp_world_size, seed,
                                 source=str(dataset_path))

@@ -92,6 +92,15 @@ class MetricsLogger:
                 self.writer.add_scalar(key, value, step)
         return line
 
+    def log_expert_load(self, step: int, tokens_per_expert_LE: torch.Tensor) -> str:
+        """The ``[metrics] log_expert_load`` line (and TensorBoard scalars) for one step's counts."""
+        stats = expert_load_stats(tokens_per_expert_LE)
+        if self.writer is not None:
+            for i, s in enumerate(stats):
+                self.writer.add_scalar(f"expert_load/imbalance_layer{i}", s["imbalance"], step)
+                self.writer.add_scalar(f"expert_load/max_layer{i}", s["max"], step)
+        return format_expert_load(step, stats)
+
     def summary(self) -> str:
         """Mean over the configured step window; a run too short for it falls back to every step
         after the first (which carries compile and allocator warm-up), and says so."""
@@ -116,3 +125,21 @@ class MetricsLogger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def expert_load_stats(tokens_per_expert_LE: torch.Tensor) -> list[dict[str, float]]:
+    """Per layer: min, max and mean routed (token, k) slots per expert, and the imbalance max/mean
+    (1.0 = perfectly balanced, E = every slot on one expert)."""
+    counts = tokens_per_expert_LE.detach().float().cpu()
+    out = []
+    for row_E in counts:
+        mean = row_E.mean().item()
+        out.append({"min": row_E.min().item(), "max": row_E.max().item(), "mean": mean,
+                    "imbalance": row_E.max().item() / mean if mean > 0 else 0.0})
+    return out
+
+
+def format_expert_load(step: int, stats: list[dict[str, float]]) -> str:
+    per_layer = "  ".join(f"L{i}: {s['min']:.0f}/{s['max']:.0f}/{s['mean']:.1f} ({s['imbalance']:.2f}x)"
+                          for i, s in enumerate(stats))
+    return f"step: {step:5d}  expert load (tokens per expert min/max/mean, max/mean): {per_layer}"

@@ -11,6 +11,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -83,11 +84,18 @@ def test_build_tokenizer_missing(tmp_path):
     assert str(path) in str(e.value) and "[model] tokenizer_path" in str(e.value)
 
 
-def test_build_tokenizer_hf_json_not_supported(tmp_path):
+def test_build_tokenizer_hf_json_unreadable(tmp_path):
     path = tmp_path / "tokenizer.json"
     path.write_text("{}")
-    with pytest.raises(NotImplementedError, match="not supported yet"):
+    with pytest.raises(ValueError) as e:
         build_tokenizer(str(path))
+    assert "could not load Hugging Face tokenizer" in str(e.value) and str(path) in str(e.value)
+
+
+def test_build_tokenizer_folder_without_tokenizer(tmp_path):
+    (tmp_path / "vocab.txt").write_text("a\n")
+    with pytest.raises(ValueError, match="neither tokenizer.json nor tokenizer.model"):
+        build_tokenizer(str(tmp_path))
 
 
 def test_build_tokenizer_unknown_format(tmp_path):
@@ -310,3 +318,299 @@ def test_tokenizer_training_is_deterministic(tmp_path):
     train(CORPUS_DIR / "corpus.txt", tmp_path / "b.model")
     assert (tmp_path / "a.model").read_bytes() == (tmp_path / "b.model").read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.model", "b.model"]  # no .vocab left behind
+
+
+# --- Hugging Face tokenizer.json -----------------------------------------------------------------
+
+HF_TEXTS = ["Once upon a time there was a cat.", "The dog ran to the park and back.",
+            "Mia had five plums; she ate two.", "Zoë's café"]
+
+
+def make_hf_tokenizer(folder: Path, *, specials=("<|endoftext|>", "<|im_start|>"), template: bool = False) -> Path:
+    """A tiny byte-level BPE tokenizer.json trained here (no download), Qwen3-like: no BOS token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=list(specials),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(HF_TEXTS * 5, trainer)
+    if template:  # a post-processor that would add a special token of its own
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{specials[-1]} $A", special_tokens=[(specials[-1], tok.token_to_id(specials[-1]))])
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def test_hf_tokenizer_qwen_style_no_bos(tmp_path):
+    path = make_hf_tokenizer(tmp_path / "tok", template=True)
+    tok = build_tokenizer(str(tmp_path / "tok"))  # a folder: tokenizer.json is found in it
+    assert type(tok).__name__ == "HFTokenizer"
+    assert tok.eos_id == 0 and tok.bos_id == -1 and tok.pad_id == -1  # special tokens come first
+    assert tok.vocab_size == 300
+    body = tok.encode("the cat", bos=False, eos=False)
+    assert 0 not in body and 1 not in body  # the template's <|im_start|> is not added
+    assert tok.encode("the cat") == body + [0]  # no BOS exists, EOS closes the document
+    for text in HF_TEXTS:
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.encode_batch(HF_TEXTS) == [tok.encode(t) for t in HF_TEXTS]
+    assert build_tokenizer(str(path)).encode("the cat") == tok.encode("the cat")
+
+
+def test_hf_tokenizer_config_names_special_tokens(tmp_path):
+    make_hf_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(
+        '{"bos_token": null, "eos_token": {"content": "<|im_start|>"}, "pad_token": "<|endoftext|>"}')
+    tok = build_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert (tok.bos_id, tok.eos_id, tok.pad_id) == (-1, 1, 0)
+    (tmp_path / "tokenizer_config.json").write_text('{"bos_token": "<|endoftext|>", "eos_token": "<|im_start|>"}')
+    tok = build_tokenizer(str(tmp_path))
+    assert tok.encode("cat")[0] == 0 and tok.encode("cat")[-1] == 1
+
+
+@pytest.mark.parametrize("config, pattern", [
+    ('{"eos_token": "<|nope|>"}', r"eos_token '<\|nope\|>' is not in the vocabulary"),
+    ("{not json", "tokenizer_config.json is not valid JSON"),
+])
+def test_hf_tokenizer_bad_config(tmp_path, config, pattern):
+    make_hf_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(config)
+    with pytest.raises(ValueError, match=pattern):
+        build_tokenizer(str(tmp_path))
+
+
+def test_hf_tokenizer_without_eos_is_refused(tmp_path):
+    make_hf_tokenizer(tmp_path, specials=("<pad>",))
+    with pytest.raises(ValueError, match="has no EOS token"):
+        build_tokenizer(str(tmp_path))
+
+
+def test_hf_tokenizer_packs_eos_separated_documents(tmp_path):
+    make_hf_tokenizer(tmp_path / "tok")
+    tok = build_tokenizer(str(tmp_path / "tok"))
+    docs = HF_TEXTS * 3
+    (tmp_path / "data.txt").write_text("\n".join(docs))
+    loader = build_dataloader(str(tmp_path / "data.txt"), tok, seq_len=7, local_batch_size=2)
+    stream = sum((tok.encode(d, bos=False, eos=False) + [0] for d in docs), [])
+    assert loader.num_tokens == len(stream)
+    expected = windows(stream, 8)
+    seen = take_epoch(loader, expected)  # the samples are exactly the stream's windows, none twice
+    assert len(set(seen)) == len(seen) == len(expected) // 2 * 2
+
+
+# --- JSON lines, Parquet, mixed folders -----------------------------------------------------------
+
+
+def number_lines(n_docs: int, words: int, start: int = 0) -> list[str]:
+    return [" ".join(str((start + d) * words + w) for w in range(words)) for d in range(n_docs)]
+
+
+def stream_of(lines: list[str]) -> list[int]:
+    return sum(([1] + [int(w) + 10 for w in line.split()] + [2] for line in lines), [])
+
+
+def write_parquet(path: Path, column: str, values: list) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({column: values, "id": list(range(len(values)))}), path, row_group_size=3)
+
+
+def test_jsonl_with_custom_field(tmp_path):
+    import json
+
+    lines = number_lines(10, 4)
+    records = [json.dumps({"id": i, "content": l, "meta": {"x": 1}}) for i, l in enumerate(lines)]
+    records.insert(3, "")  # blank lines are skipped
+    records.insert(5, json.dumps({"content": "   "}))  # so are empty documents
+    (tmp_path / "d.jsonl").write_text("\n".join(records) + "\n")
+    loader = build_dataloader(str(tmp_path / "d.jsonl"), NumberTokenizer(), 5, 2, text_field="content")
+    expected = windows(stream_of(lines), 6)
+    assert loader.num_tokens == 10 * 6
+    assert sorted(take_epoch(loader, expected)) == list(range(10))
+
+
+def test_mixed_folder_reads_every_format_in_path_order(tmp_path):
+    import json
+
+    a, b, c = number_lines(4, 3, 0), number_lines(5, 3, 4), number_lines(7, 3, 9)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.txt").write_text("\n".join(a))
+    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"text": l}) for l in b))
+    write_parquet(tmp_path / "sub" / "c.parquet", "text", c[:3] + [None] + c[3:])  # nulls skipped
+    (tmp_path / "readme.md").write_text("999\n")
+    loader = build_dataloader(str(tmp_path), NumberTokenizer(), 4, 2, dp_rank=1, dp_world_size=2)
+    stream = stream_of(a + b + c)
+    assert loader.num_tokens == len(stream) == 16 * 5
+    expected = windows(stream, 5)
+    assert sorted(take_epoch(loader, expected)) == list(range(1, 16, 2))
+
+
+@pytest.mark.parametrize("content, pattern", [
+    ('{"text": "1 2"}\n{"text": "3"}\n{"text": oops}\n', r"bad\.jsonl:3: not a JSON object"),
+    ('{"text": "1 2"}\n{"body": "3"}\n', r"bad\.jsonl:2: no 'text' field \(keys: body\).*dataset_text_field"),
+    ('{"text": "1 2"}\n[1, 2]\n', r"bad\.jsonl:2: expected a JSON object, got list"),
+    ('{"text": 12}\n', r"bad\.jsonl:1: field 'text' is int, not a string"),
+])
+def test_bad_jsonl_names_file_and_line(tmp_path, content, pattern):
+    (tmp_path / "bad.jsonl").write_text(content)
+    with pytest.raises(ValueError, match=pattern):
+        build_dataloader(str(tmp_path), NumberTokenizer(), 2, 1)
+
+
+def test_bad_parquet_files(tmp_path):
+    write_parquet(tmp_path / "p.parquet", "body", ["1 2 3"] * 10)
+    with pytest.raises(ValueError, match=r"p\.parquet: no 'text' column \(columns: body, id\)"):
+        build_dataloader(str(tmp_path / "p.parquet"), NumberTokenizer(), 2, 1)
+    with pytest.raises(ValueError, match="column 'id' is int64, not a string"):
+        build_dataloader(str(tmp_path / "p.parquet"), NumberTokenizer(), 2, 1, text_field="id")
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(ValueError, match=r"broken\.parquet is not a readable Parquet file"):
+        build_dataloader(str(tmp_path / "broken.parquet"), NumberTokenizer(), 2, 1)
+
+
+def test_unsupported_file_extension(tmp_path):
+    (tmp_path / "data.csv").write_text("1 2 3\n")
+    with pytest.raises(ValueError, match=r"data\.csv .*unsupported extension"):
+        build_dataloader(str(tmp_path / "data.csv"), NumberTokenizer(), 2, 1)
+
+
+# --- pre-tokenized shards ------------------------------------------------------------------------
+
+
+def test_pretokenized_single_shard_equals_text_loader(tmp_path):
+    write_numbers_corpus(tmp_path / "txt", n_docs=20, words_per_doc=9)
+    pretokenize = _load_script("pretokenize").pretokenize
+    paths = pretokenize(tmp_path / "txt", NumberTokenizer(), tmp_path / "bin")
+    assert [p.name for p in paths] == ["shard-00000.bin"]
+    assert paths[0].stat().st_size == 32 + 2 * 220  # uint16: the vocab (10,000) fits
+    text = build_dataloader(str(tmp_path / "txt"), NumberTokenizer(), 5, 3, dp_rank=1, dp_world_size=2, seed=3)
+    binary = build_dataloader(str(tmp_path / "bin"), NumberTokenizer(), 5, 3, dp_rank=1, dp_world_size=2, seed=3)
+    assert isinstance(binary._shards[0], np.memmap)
+    assert text.state_dict() == binary.state_dict()
+    for _ in range(2 * text.batches_per_epoch + 1):
+        (x0, y0), (x1, y1) = next(text), next(binary)
+        assert torch.equal(x0, x1) and torch.equal(y0, y1)
+
+
+def test_pretokenized_shards_partition_samples(tmp_path):
+    lines = number_lines(30, 5)  # 30 docs of 7 tokens
+    (tmp_path / "d.txt").write_text("\n".join(lines))
+    paths = _load_script("pretokenize").pretokenize(tmp_path / "d.txt", NumberTokenizer(), tmp_path / "bin",
+                                                    shard_tokens=50)
+    # A shard closes after the document that reaches 50 tokens: 8 docs (56 tokens) per shard.
+    assert len(paths) == 4
+    streams = [stream_of(lines[i:i + 8]) for i in range(0, 30, 8)]
+    expected = sum((windows(s, 6) for s in streams), [])  # samples never straddle two shards
+    assert len(expected) == 9 + 9 + 9 + 7
+    for rank in range(3):
+        loader = build_dataloader(str(tmp_path / "bin"), NumberTokenizer(), 5, 2, dp_rank=rank, dp_world_size=3)
+        mine = list(range(rank, 34, 3))  # 12, 11, 11 samples: 6, 5, 5 batches of 2
+        seen = take_epoch(loader, expected)
+        assert set(seen) <= set(mine) and len(set(seen)) == len(seen) == len(mine) // 2 * 2
+
+
+def test_pretokenized_bad_shards(tmp_path):
+    from components.dataloader import write_token_shard
+
+    write_token_shard(tmp_path / "a.bin", np.arange(100), vocab_size=10_000)
+    with pytest.raises(ValueError, match=r"vocabulary of 10000 tokens, but \[model\] tokenizer_path has 2048"):
+        build_dataloader(str(tmp_path / "a.bin"), SmallVocab(), 4, 2)
+    data = (tmp_path / "a.bin").read_bytes()
+    (tmp_path / "a.bin").write_bytes(data[:-10])
+    with pytest.raises(ValueError, match=r"a\.bin is truncated or corrupt: the header announces 100 tokens"):
+        build_dataloader(str(tmp_path / "a.bin"), NumberTokenizer(), 4, 2)
+    (tmp_path / "a.bin").write_bytes(b"\x00" * 64)
+    with pytest.raises(ValueError, match="is not a pre-tokenized shard"):
+        build_dataloader(str(tmp_path / "a.bin"), NumberTokenizer(), 4, 2)
+    (tmp_path / "b.txt").write_text("1 2 3\n")
+    with pytest.raises(ValueError, match="mixes pre-tokenized .bin shards with text files"):
+        build_dataloader(str(tmp_path), NumberTokenizer(), 4, 2)
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 50\)"):
+        write_token_shard(tmp_path / "c.bin", np.arange(60), vocab_size=50)
+
+
+class SmallVocab(NumberTokenizer):
+    vocab_size = 2048
+
+
+def test_pretokenize_uses_uint32_for_large_vocabularies(tmp_path):
+    from components.dataloader import read_token_shard, write_token_shard
+
+    tokens = np.array([0, 70_000, 151_935, 5])
+    write_token_shard(tmp_path / "big.bin", tokens, vocab_size=151_936)
+    got, vocab = read_token_shard(tmp_path / "big.bin")
+    assert got.dtype == np.uint32 and vocab == 151_936 and got.tolist() == tokens.tolist()
+
+
+# --- streaming (Hugging Face datasets) -----------------------------------------------------------
+
+
+def test_streaming_loader_ranks_epochs_and_state(tmp_path):
+    from components.dataloader import StreamingTextDataLoader
+
+    docs = number_lines(25, 4)  # 25 docs of 6 tokens
+    opened = []
+
+    def open_docs():
+        opened.append(1)
+        return iter(docs)
+
+    def make(rank, world=2):
+        return StreamingTextDataLoader(open_docs, NumberTokenizer(), 5, 2, dp_rank=rank, dp_world_size=world,
+                                       source="fake")
+    for rank in range(2):
+        mine = stream_of(docs[rank::2])  # 13 or 12 docs -> 78 or 72 tokens -> 6 batches of 12 tokens
+        loader = make(rank)
+        got = [sample_of(x[b], y[b]) for x, y in (next(loader) for _ in range(6)) for b in range(2)]
+        assert got == windows(mine, 6)[:12]
+        assert loader.epoch == 0
+        x, _ = next(loader)  # the stream ended: the leftover is dropped and the next epoch starts over
+        assert loader.epoch == 1 and x[0].tolist() == mine[:5]
+    # State round trip mid-epoch, with tokens waiting in the buffer.
+    for k in (1, 3, 6, 8):
+        a = make(1)
+        for _ in range(k):
+            next(a)
+        b = make(1)
+        b.load_state_dict(a.state_dict())
+        for _ in range(8):
+            (x0, y0), (x1, y1) = next(a), next(b)
+            assert torch.equal(x0, x1) and torch.equal(y0, y1)
+    with pytest.raises(ValueError, match="dp_world_size: saved 2, now 3"):
+        make(1, world=3).load_state_dict(make(1).state_dict())
+    with pytest.raises(ValueError, match="is empty"):
+        next(StreamingTextDataLoader(lambda: iter([]), NumberTokenizer(), 5, 2, source="fake"))
+
+
+def test_hf_dataset_name_streams_through_datasets(monkeypatch):
+    import types
+
+    calls = []
+
+    def load_dataset(name, config, split, streaming):
+        calls.append((name, config, split, streaming))
+        if name == "missing/ds":
+            raise ConnectionError("no network")
+        return iter([{"body": l} for l in number_lines(12, 4)])
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    loader = build_dataloader("hf:org/stories", NumberTokenizer(), 5, 2, text_field="body", hf_config="en",
+                              hf_split="validation")
+    x, y = next(loader)
+    assert calls[0] == ("org/stories", "en", "validation", True)
+    assert x[0].tolist() == stream_of(number_lines(1, 4))[:5]
+    with pytest.raises(ValueError, match="could not open the Hugging Face dataset 'missing/ds'.*no network"):
+        build_dataloader("hf:missing/ds", NumberTokenizer(), 5, 2)
+    loader = build_dataloader("hf:org/stories", NumberTokenizer(), 5, 2)  # the default field, "text"
+    with pytest.raises(ValueError, match="record 0 has no 'text' field"):
+        next(loader)
+
+
+def test_hf_dataset_without_datasets_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` raise ImportError
+    with pytest.raises(ValueError, match="needs the `datasets` package"):
+        build_dataloader("hf:allenai/c4", NumberTokenizer(), 5, 2)

@@ -1,0 +1,181 @@
+"""Checkpoints through the real training loop: resume equality, async saves (still atomic) and
+starting from given weights (HF safetensors or DCP)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+
+import pytest
+import torch
+
+import components.checkpoint as ckpt
+from components.config import parse_args
+from train import Trainer, main
+
+SMALL = ["--config", "train_configs/debug_model.toml", "--model.n_layers", "2", "--training.seq_len", "64",
+         "--training.local_batch_size", "4", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
+         "--training.steps", "6"]
+
+
+def logged_losses(out: str) -> dict[int, str]:
+    return {int(m.group(1)): m.group(2) for m in re.finditer(r"step:\s+(\d+)\s+loss:\s+(\S+)", out)}
+
+
+def run_main(capsys, *args) -> tuple[int, str]:
+    rc = main([*SMALL, *args])
+    captured = capsys.readouterr()
+    return rc, captured.out + captured.err
+
+
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_resumed_run_logs_the_same_losses(tmp_path, capsys, monkeypatch, async_mode):
+    """6 steps straight vs a run killed during step 5 (after its step-3 checkpoint) and resumed."""
+    exact: dict[str, list[float]] = {"straight": [], "resumed": []}
+    real_step = Trainer.train_step
+    run = ["straight"]
+
+    def recording_step(self, data_iter):
+        if run[0] == "killed" and self.step == 5:
+            self.checkpoint.wait()  # an async write finishes in the background while step 4 runs
+            raise KeyboardInterrupt  # a kill in the middle of training, after a save
+        out = real_step(self, data_iter)
+        exact.setdefault(run[0], []).append(out[0])
+        return out
+
+    monkeypatch.setattr(Trainer, "train_step", recording_step)
+    common = ["--checkpoint.enable", "--checkpoint.interval", "3", "--checkpoint.async_mode", async_mode]
+    rc, straight = run_main(capsys, "--job.dump_folder", str(tmp_path / "a"), *common)
+    assert rc == 0, straight
+    run[0] = "killed"
+    with pytest.raises(KeyboardInterrupt):
+        main([*SMALL, "--job.dump_folder", str(tmp_path / "b"), *common])
+    capsys.readouterr()
+    assert sorted(ckpt.complete_checkpoints(tmp_path / "b" / "checkpoint")) == [3]
+    run[0] = "resumed"
+    rc, resumed = run_main(capsys, "--job.dump_folder", str(tmp_path / "b"), *common)
+    assert rc == 0, resumed
+    assert "resumed from the checkpoint of step 3" in resumed
+    want, got = logged_losses(straight), logged_losses(resumed)
+    assert sorted(want) == [1, 2, 3, 4, 5, 6] and sorted(got) == [4, 5, 6]
+    assert [got[s] for s in (4, 5, 6)] == [want[s] for s in (4, 5, 6)]
+    assert exact["resumed"] == exact["straight"][3:]  # bit for bit, not just the printed digits
+    assert sorted(ckpt.complete_checkpoints(tmp_path / "b" / "checkpoint")) == [3, 6]
+
+
+def make_trainer(tmp_path, *extra) -> Trainer:
+    return Trainer(parse_args([*SMALL, "--job.dump_folder", str(tmp_path), *extra]))
+
+
+def test_async_save_is_renamed_only_after_the_write(tmp_path, monkeypatch):
+    trainer = make_trainer(tmp_path, "--checkpoint.enable", "--checkpoint.async_mode", "async")
+    data_iter = iter(trainer.dataloader)
+    trainer.step = 1
+    trainer.train_step(data_iter)
+    gate = concurrent.futures.Future()  # the background write, finished when the test says so
+    real_async_save = ckpt.dcp.async_save
+
+    def held_async_save(state, **kwargs):
+        written = real_async_save(state, **kwargs)
+        held = concurrent.futures.Future()
+        gate.add_done_callback(lambda _: held.set_result(written.result()))
+        return held
+
+    monkeypatch.setattr(ckpt.dcp, "async_save", held_async_save)
+    w_before = trainer.model.layers["0"].attention.wq.weight.detach().clone()
+    trainer.checkpoint.save(1)
+    assert ckpt.complete_checkpoints(tmp_path / "checkpoint") == {}  # written, not yet visible
+    assert (tmp_path / "checkpoint" / "step-1.tmp").is_dir()
+    with torch.no_grad():  # training goes on and changes the weights during the write
+        trainer.model.layers["0"].attention.wq.weight.add_(1.0)
+    gate.set_result(None)
+    assert trainer.checkpoint.wait() == tmp_path / "checkpoint" / "step-1"
+    assert sorted(ckpt.complete_checkpoints(tmp_path / "checkpoint")) == [1]
+    resumed = make_trainer(tmp_path, "--checkpoint.enable")
+    assert resumed.checkpoint.maybe_load() == 1
+    assert torch.equal(resumed.model.layers["0"].attention.wq.weight, w_before)  # the state at save time
+
+
+def test_failed_async_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    trainer = make_trainer(tmp_path, "--checkpoint.enable", "--checkpoint.async_mode", "async")
+    trainer.checkpoint.save(1)
+    trainer.checkpoint.wait()
+
+    def failing_async_save(state, **kwargs):
+        future = concurrent.futures.Future()
+        future.set_exception(OSError("disk full"))
+        return future
+
+    monkeypatch.setattr(ckpt.dcp, "async_save", failing_async_save)
+    trainer.checkpoint.save(2)
+    with pytest.raises(ckpt.CheckpointError, match="async save of step 2 .* failed .*disk full"):
+        trainer.checkpoint.wait()
+    assert sorted(ckpt.complete_checkpoints(tmp_path / "checkpoint")) == [1]
+    monkeypatch.undo()
+    assert make_trainer(tmp_path, "--checkpoint.enable").checkpoint.maybe_load() == 1
+
+
+def test_initial_load_from_hf_folder(tmp_path, capsys):
+    pytest.importorskip("safetensors")
+    from components.hf_checkpoint import save_hf_weights
+
+    source = make_trainer(tmp_path / "src", "--training.seed", "7")
+    save_hf_weights(source.model, tmp_path / "hf", dtype=torch.float32)
+    want = {k: v.clone() for k, v in source.model.state_dict().items()}
+    args = ["--checkpoint.initial_load_path", str(tmp_path / "hf"), "--checkpoint.initial_load_format", "hf"]
+    fresh = make_trainer(tmp_path / "run", *args)
+    assert not torch.equal(fresh.model.output.weight, want["output.weight"])  # seed 0 differs
+    assert fresh.checkpoint.maybe_load() == 0  # no checkpointing at all: still starts from the weights
+    for k, v in fresh.model.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    # A checkpoint to resume wins over the initial weights.
+    run = make_trainer(tmp_path / "run2", "--checkpoint.enable", *args)
+    run.checkpoint.save(2)
+    with torch.no_grad():
+        saved_out = run.model.output.weight.clone()
+    again = make_trainer(tmp_path / "run2", "--checkpoint.enable", *args)
+    assert again.checkpoint.maybe_load() == 2
+    assert torch.equal(again.model.output.weight, saved_out)
+    # Another depth than the HF folder's: refused at start, naming the field.
+    rc, out = run_main(capsys, "--job.dump_folder", str(tmp_path / "run3"), *args, "--model.n_layers", "3")
+    assert rc == 2 and "num_hidden_layers = 2 vs n_layers = 3" in out
+
+
+def test_initial_load_from_dcp_checkpoint(tmp_path, capsys):
+    source = make_trainer(tmp_path / "src", "--training.seed", "3", "--checkpoint.enable")
+    source.checkpoint.save(4)  # a full training checkpoint: only its model part is used
+    step_dir = tmp_path / "src" / "checkpoint" / "step-4"
+    fresh = make_trainer(tmp_path / "run", "--checkpoint.enable", "--checkpoint.initial_load_path", str(step_dir),
+                         "--checkpoint.initial_load_format", "dcp")
+    assert fresh.checkpoint.maybe_load() == 0
+    assert torch.equal(fresh.model.output.weight, source.model.output.weight)
+    assert fresh.lr_scheduler.last_epoch == 0
+    rc, out = run_main(capsys, "--job.dump_folder", str(tmp_path / "r2"), "--checkpoint.initial_load_path",
+                       str(step_dir), "--checkpoint.initial_load_format", "dcp", "--model.n_layers", "3")
+    assert rc == 2 and "is of another model: n_layers saved 2 vs configured 3" in out
+    rc, out = run_main(capsys, "--job.dump_folder", str(tmp_path / "r3"), "--checkpoint.initial_load_path",
+                       str(tmp_path), "--checkpoint.initial_load_format", "dcp")
+    assert rc == 2 and "is not a DCP checkpoint folder" in out
+
+
+def test_export_script_writes_what_was_trained(tmp_path):
+    pytest.importorskip("safetensors")
+    import importlib.util
+
+    from components.hf_checkpoint import load_hf_weights
+
+    trainer = make_trainer(tmp_path, "--checkpoint.enable", "--training.steps", "2")
+    trainer.train()
+    spec = importlib.util.spec_from_file_location("export_hf", "scripts/export_hf.py")
+    export_hf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(export_hf)
+    config = ["--config", "train_configs/debug_model.toml", "--model.n_layers", "2"]
+    export_hf.main(["--checkpoint", str(tmp_path / "checkpoint" / "step-2"), "--out", str(tmp_path / "hf"),
+                    "--dtype", "float32", *config])
+    back = make_trainer(tmp_path / "other", "--training.seed", "5")
+    load_hf_weights(back.model, tmp_path / "hf")
+    for (k, v), (_, w) in zip(trainer.model.state_dict().items(), back.model.state_dict().items()):
+        assert torch.equal(v, w), k
+    with pytest.raises(SystemExit, match="is of another model: n_layers saved 2 vs configured 3"):
+        export_hf.main(["--checkpoint", str(tmp_path / "checkpoint" / "step-2"), "--out", str(tmp_path / "x"),
+                        "--config", "train_configs/debug_model.toml", "--model.n_layers", "3"])
