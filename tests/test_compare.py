@@ -1,0 +1,231 @@
+"""bench/compare.py and bench/torchtitan_flavors.py on CPU: log parsing, the summary math, the
+configs both trainers get, the shared tokenizer, and that upstream's reduced-depth flavor is our
+model. Tests that need upstream TorchTitan 0.2.2 skip without it (CI does not install it)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import compare
+
+ESC = "\x1b"
+# Upstream 0.2.2's metrics line as its logger prints it under torchrun, colours included.
+TITAN_LINE = (f"[rank0]:[titan] 2026-12-02 13:00:06,123 - root - INFO - {ESC}[31mstep: {{step:2}}  "
+              f"{ESC}[32mloss: {{loss:8.5f}}  {ESC}[38;2;180;60;0mgrad_norm:  1.2345  "
+              f"{ESC}[38;2;54;234;195mmemory: {{mem:5.2f}}GiB(40.63%)  {ESC}[34mtps: {{tps:,}}  "
+              f"{ESC}[36mtflops: 324.00  {ESC}[35mmfu: {{mfu:.2f}}%{ESC}[39m")
+OURS_LINE = ("step: {step:5d}  loss: {loss:8.4f}  aux_loss: 0.0000  grad_norm:  0.1234  lr: 3.00e-04  "
+             "memory: {mem:6.2f}GiB  tps: {tps:,}  step_time: {dt:.3f}s  tflops: 394.00  mfu: {mfu:.1f}%")
+
+
+def titan_log(n: int = 20) -> str:
+    lines = ["[rank0]:[titan] ... - root - INFO - Training starts at step 1"]
+    for s in range(1, n + 1):
+        lines.append(TITAN_LINE.format(step=s, loss=10.0 - s / 10, mem=50.0 + s / 100,
+                                       tps=1000 if s < 6 else 50000 + 100 * s, mfu=30.0 + s / 10))
+    lines.append(f"{ESC}[33mvalidate step:  5  {ESC}[32mloss:  7.0000  memory: 99.00GiB(1.00%)  tps: 9,999{ESC}[39m")
+    return "\n".join(lines)
+
+
+def ours_log(n: int = 20) -> str:
+    lines = ["Qwen3-MoE ..."]
+    for s in range(1, n + 1):
+        lines.append(OURS_LINE.format(step=s, loss=8.0 - s / 10, mem=60.0, tps=60000 + s, dt=0.27, mfu=39.8))
+        lines.append(f"step: {s:5d}  expert load (tokens per expert min/max/mean, max/mean): L0: 1/2/1.5 (1.33x)")
+    lines.append("summary: steps 6-20: mean tokens/s per device 60,013  mean step time 0.270s  tflops 394.00  "
+                 "mfu 39.8%  peak memory 60.00GiB")
+    return "\n".join(lines)
+
+
+def test_parse_titan_log_with_colours():
+    steps = compare.parse_step_lines(titan_log())
+    assert sorted(steps) == list(range(1, 21))  # the validation line is not a step
+    assert steps[6] == pytest.approx({"loss": 9.4, "grad_norm": 1.2345, "memory_gib": 50.06, "tps": 50600,
+                                      "tflops": 324.0, "mfu": 30.6})
+
+
+def test_parse_ours_log():
+    steps = compare.parse_step_lines(ours_log())
+    assert sorted(steps) == list(range(1, 21))  # expert-load and summary lines are skipped
+    assert steps[20]["tps"] == 60020 and steps[20]["step_time"] == 0.27 and steps[20]["lr"] == 3e-4
+    assert steps[20]["memory_gib"] == 60.0 and steps[20]["mfu"] == 39.8 and steps[20]["aux_loss"] == 0.0
+
+
+def test_summary_math():
+    s = compare.summarize(compare.parse_step_lines(titan_log()), tokens_per_step=16384)
+    tps = [50000 + 100 * i for i in range(6, 21)]
+    assert s["window"] == [6, 20] and s["steps_logged"] == 20
+    assert s["tokens_per_s"] == pytest.approx(sum(tps) / 15)
+    assert s["step_time_s"] == pytest.approx(sum(16384 / t for t in tps) / 15)  # upstream logs no step time
+    assert s["peak_memory_gib"] == pytest.approx(50.2) and s["final_loss"] == pytest.approx(8.0)
+    assert s["mfu_pct"] == pytest.approx(sum(30 + i / 10 for i in range(6, 21)) / 15)
+    ours = compare.summarize(compare.parse_step_lines(ours_log()), tokens_per_step=16384)
+    assert ours["step_time_s"] == pytest.approx(0.27)  # ours: as logged
+    short = compare.summarize(compare.parse_step_lines(ours_log(4)), tokens_per_step=16384)
+    assert short["window"] == [2, 4] and short["window_note"] == "window 6-20 not reached"
+    assert compare.summarize({}, 16384) == {"steps_logged": 0}
+
+
+def test_ratios_against_upstream_best():
+    results = [
+        {"name": "titan_bf16", "trainer": "torchtitan", "precision": "bf16", "status": "ok", "tokens_per_s": 50000.0},
+        {"name": "titan_fp8", "trainer": "torchtitan", "precision": "fp8", "status": "ok", "tokens_per_s": 46000.0},
+        {"name": "ours_grouped_mm", "trainer": "ours", "precision": "bf16", "status": "ok", "tokens_per_s": 60000.0},
+        {"name": "ours_mega", "trainer": "ours", "precision": "bf16", "status": "ok", "tokens_per_s": 75000.0},
+        {"name": "ours_mega_fp8", "trainer": "ours", "precision": "fp8", "status": "not implemented"},
+    ]
+    ratios = compare.add_ratios(results)
+    assert ratios["titan_best"] == "titan_bf16" and ratios["ours_best"] == "ours_mega"
+    assert ratios["ours_best_vs_titan_best"] == pytest.approx(1.5)
+    assert ratios["same_precision_bf16"] == pytest.approx(1.5)
+    assert results[1]["vs_titan_best"] == pytest.approx(0.92)
+    assert "vs_titan_best" not in results[4]
+    results[1]["tokens_per_s"] = 62500.0  # FP8 now the faster baseline: ratios follow it
+    ratios = compare.add_ratios(results)
+    assert ratios["titan_best"] == "titan_fp8" and ratios["ours_best_vs_titan_best"] == pytest.approx(1.2)
+    assert ratios["same_precision_bf16"] == pytest.approx(1.5)
+
+
+def test_status_and_failure_reason():
+    assert compare.status_of({"returncode": 0, "timed_out": False}, "", {"steps_logged": 3}) == "ok"
+    assert compare.status_of({"returncode": -15, "timed_out": True}, "", {"steps_logged": 3}) == "timed out"
+    text = "error: [quantize] moe = 'fp8_blockwise': FP8 expert GEMMs are not implemented yet"
+    assert compare.status_of({"returncode": 2, "timed_out": False}, text, {"steps_logged": 0}) == "not implemented"
+    log = "Traceback (most recent call last):\n  File \"x.py\", line 1\ntorch.OutOfMemoryError: CUDA out of memory\n"
+    assert compare.status_of({"returncode": 1, "timed_out": False}, log, {"steps_logged": 0}) == "failed"
+    assert compare.failure_reason(log) == "torch.OutOfMemoryError: CUDA out of memory"
+
+
+def _plan(tmp_path: Path, model: str = "qwen3_30b_a3b", layers: int = 4):
+    setting = compare.Setting(model, layers, 16384, 20, tmp_path)
+    data_dir = compare.write_jsonl_data(tmp_path / "data")
+    toml_path = tmp_path / "torchtitan.toml"
+    toml_path.write_text(compare.torchtitan_toml(setting, data_dir=data_dir))
+    return setting, data_dir, toml_path, compare.plan(setting, toml_path=toml_path, data_dir=data_dir)
+
+
+def test_jsonl_data_is_the_corpus(tmp_path):
+    data_dir = compare.write_jsonl_data(tmp_path / "data")
+    rows = [json.loads(line)["text"] for line in (data_dir / "corpus.jsonl").read_text().splitlines()]
+    corpus = [line for line in compare.CORPUS.read_text(encoding="utf-8").splitlines() if line]
+    assert rows == corpus
+
+
+def test_our_commands_parse(tmp_path):
+    from components.config import parse_args
+
+    _, data_dir, _, runs = _plan(tmp_path)
+    for run in runs:
+        if run.name in ("ours_grouped_mm", "ours_mega"):
+            cfg = parse_args(run.cmd[2:])
+            assert (cfg.model.flavor, cfg.model.n_layers, cfg.training.seq_len) == ("qwen3_30b_a3b", 4, 16384)
+            assert (cfg.training.local_batch_size, cfg.activation_checkpoint.mode, cfg.compile.enable) == (1, "full", True)
+            assert cfg.model.tokenizer_path.endswith("assets/tokenizer/tokenizer.json")
+            assert cfg.training.dataset_path == str(data_dir) and cfg.moe.backend == run.name.split("_", 1)[1]
+            assert (cfg.metrics.summary_start_step, cfg.metrics.summary_end_step) == (6, 20)
+
+
+def test_report_files(tmp_path):
+    report = {"date": "2026-12-02 00:00 UTC", "command": "python -m bench.compare", "out": "o",
+              "setting": {"titan_flavor": "30B-A3B-4L", "layers": 4, "seq_len": 16384, "steps": 20, "window": [6, 20]},
+              "params": {"total": 1, "active": 1}, "environment": {"gpu": "NVIDIA H200"},
+              "results": [{"name": "titan_bf16", "label": "TorchTitan 0.2.2, bf16", "trainer": "torchtitan",
+                           "precision": "bf16", "status": "ok", "tokens_per_s": 50000.0, "step_time_s": 0.33,
+                           "command": "python -m torch.distributed.run ..."},
+                          {"name": "ours_mega", "label": "ours, `mega` backend, bf16", "trainer": "ours",
+                           "precision": "bf16", "status": "failed", "reason": "RuntimeError: x | y", "command": "python train.py"}]}
+    chart = compare.write_report(report, tmp_path, chart=True)
+    md = (tmp_path / "compare.md").read_text()
+    assert "| TorchTitan 0.2.2, bf16 | 50,000 | 1.000x | 1.000x | 0.330 s |" in md
+    assert "failed: RuntimeError: x / y |" in md  # a '|' in a reason cannot break the table
+    assert json.loads((tmp_path / "compare.json").read_text())["ratios"]["titan_best"] == "titan_bf16"
+    if chart in ("matplotlib", "PIL"):
+        assert (tmp_path / "compare.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# ---- the shared tokenizer -------------------------------------------------------------------
+
+def test_tokenizer_json_matches_sentencepiece_ids():
+    pytest.importorskip("tokenizers")
+    spm = pytest.importorskip("sentencepiece")
+    from components.tokenizer import build_tokenizer
+
+    sp = spm.SentencePieceProcessor(model_file=str(compare.SP_MODEL))
+    hf = build_tokenizer(compare.TOKENIZER_DIR / "tokenizer.json")
+    assert (hf.vocab_size, hf.bos_id, hf.eos_id, hf.pad_id) == (sp.get_piece_size(), sp.bos_id(), sp.eos_id(), sp.pad_id())
+    texts = compare.CORPUS.read_text(encoding="utf-8").splitlines()[:400] + [
+        "", " ", "  two leading spaces", "trailing  ", "tabs\tand\nnewlines\r\n", "digits 0123456789",
+        "ünïcödé ∑ 你好 🚀", "x" * 3000]
+    for text in texts:
+        assert hf.encode(text) == sp.encode(text, add_bos=True, add_eos=True), repr(text[:60])
+        assert hf.decode(hf.encode(text)) == text
+
+
+def test_tokenizer_assets_are_current(tmp_path):
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("sentencepiece")
+    for path in compare.write_tokenizer(tmp_path):
+        assert path.read_bytes() == (compare.TOKENIZER_DIR / path.name).read_bytes(), (
+            f"assets/tokenizer/{path.name} is stale: python -m bench.compare --write-tokenizer")
+
+
+def test_upstream_tokenizer_gives_the_same_ids():
+    pytest.importorskip("tokenizers")
+    up_mod = pytest.importorskip("torchtitan.components.tokenizer")
+    from components.tokenizer import build_tokenizer
+
+    up = up_mod.HuggingFaceTokenizer(str(compare.TOKENIZER_DIR))
+    ours = build_tokenizer(compare.TOKENIZER_DIR / "tokenizer.json")
+    assert (up.bos_id, up.eos_id, up.get_vocab_size()) == (ours.bos_id, ours.eos_id, ours.vocab_size)
+    for text in compare.CORPUS.read_text(encoding="utf-8").splitlines()[:200] + ["  Mia had a cat. 🚀"]:
+        # upstream's text dataset calls encode(add_bos=True, add_eos=True) per document, as ours does
+        assert up.encode(text, add_bos=True, add_eos=True) == ours.encode(text)
+
+
+# ---- upstream TorchTitan: its config parser and the flavor -----------------------------------
+
+def test_torchtitan_toml_parses_with_upstream_config_manager(tmp_path):
+    config = pytest.importorskip("torchtitan.config")
+    setting, data_dir, toml_path, runs = _plan(tmp_path)
+    by_name = {r.name: r for r in runs}
+    for name in ("titan_bf16", "titan_fp8"):
+        cmd = by_name[name].cmd
+        jc = config.ConfigManager().parse_args(cmd[cmd.index("--job.config_file"):])
+        assert (jc.model.name, jc.model.flavor) == ("qwen3", "30B-A3B-4L")
+        assert jc.model.hf_assets_path == str(compare.TOKENIZER_DIR)
+        assert (jc.training.dataset, jc.training.dataset_path) == ("c4_test", str(data_dir))
+        assert (jc.training.local_batch_size, jc.training.seq_len, jc.training.steps) == (1, 16384, 20)
+        assert jc.activation_checkpoint.mode == "full" and jc.compile.enable
+        assert jc.compile.components == ["model", "loss"] and jc.metrics.log_freq == 1
+        assert jc.experimental.custom_import == "bench.torchtitan_flavors"
+        assert jc.optimizer.lr == compare.LR and jc.lr_scheduler.warmup_steps == compare.WARMUP_STEPS
+    fp8 = config.ConfigManager().parse_args(by_name["titan_fp8"].cmd[by_name["titan_fp8"].cmd.index("--job.config_file"):])
+    assert fp8.model.converters == ["quantize.grouped_mm.float8"] and fp8.quantize.grouped_mm.float8.fqns == ["experts"]
+
+
+@pytest.mark.parametrize("model,layers", [("qwen3_30b_a3b", 4), ("qwen3_235b_a22b", 1)])
+def test_upstream_flavor_is_our_model(model, layers):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchtitan.models.qwen3")
+    from torchtitan.models.qwen3 import Qwen3Model, qwen3_args
+
+    import bench.torchtitan_flavors as flavors
+    from models.qwen3.args import get_model_args
+    from models.qwen3.model import count_params
+
+    base, rope_theta = compare.MODELS[model]
+    args = qwen3_args[flavors.flavor_name(base, layers)]
+    assert args.n_layers == layers and args.max_seq_len >= 16384 and args.rope_theta == rope_theta
+    assert qwen3_args[base].n_layers > layers  # upstream's own flavor is untouched
+    with torch.device("meta"):
+        upstream = Qwen3Model(args)
+    total, _ = count_params(get_model_args(model, n_layers=layers, rope_theta=rope_theta))
+    assert sum(p.numel() for p in upstream.parameters()) == total
+    ours = get_model_args(model, n_layers=layers)
+    assert (args.dim, args.n_heads, args.n_kv_heads, args.head_dim, args.vocab_size) == (
+        ours.dim, ours.n_heads, ours.n_kv_heads, ours.head_dim, ours.vocab_size)
+    assert (args.moe_inter_dim, args.moe_args.num_experts, args.moe_args.top_k) == (
+        ours.moe_inter_dim, ours.num_experts, ours.top_k)
