@@ -5,8 +5,8 @@ Experts: ``torch._grouped_mm`` for gate, up and down with per-expert row offsets
 Combine: put the rows back in (token, k) order, weight them in float32 and sum over k.
 
 Every shape is static (no ``.item()``, no data-dependent sizes), so it compiles with
-``fullgraph=True``. On CPU, where an older torch has no ``_grouped_mm`` kernel, a loop over the
-experts stands in (it reads the offsets on the host, which is harmless there).
+``fullgraph=True``. Where ``_grouped_mm`` has no kernel (an older torch on CPU, float32 on CUDA) a
+loop over the experts stands in.
 """
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ _CPU_HAS_GROUPED_MM = _probe_cpu_grouped_mm()
 
 
 def _grouped_mm(a_ND: torch.Tensor, b_EKM: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    """Rows [offs[e-1], offs[e]) of a times b[e]: (N, K) x (E, K, M) -> (N, M)."""
-    if a_ND.is_cuda:
-        if a_ND.dtype != torch.bfloat16:
-            raise TypeError(f"the grouped_mm MoE backend on CUDA needs bfloat16 inputs (torch._grouped_mm), got "
-                            f"{a_ND.dtype}: train with [training] mixed_precision_param = \"bfloat16\", or use "
-                            "[moe] backend = \"mega\" or \"torch\" for float32")
-        return torch._grouped_mm(a_ND, b_EKM, offs=offs_E)
-    if _CPU_HAS_GROUPED_MM:
+    """Rows [offs[e-1], offs[e]) of a times b[e]: (N, K) x (E, K, M) -> (N, M).
+
+    ``torch._grouped_mm`` where it runs: bf16 on CUDA, and CPU where this torch has a kernel.
+    Otherwise (float32 on CUDA, e.g. the debug config on a GPU; CPU on an older torch) a loop over
+    the experts that reads the offsets on the host: correct but slow, and not for ``fullgraph``
+    compile.
+    """
+    if (a_ND.is_cuda and a_ND.dtype == torch.bfloat16) or (not a_ND.is_cuda and _CPU_HAS_GROUPED_MM):
         return torch._grouped_mm(a_ND, b_EKM, offs=offs_E)
     ends = offs_E.tolist()
     starts = [0] + ends[:-1]

@@ -139,7 +139,12 @@ def test_backend_bf16_cuda(backend, T, D, F, E, K, kind):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_grouped_mm_float32_on_cuda_says_what_to_do():
-    x, ids, w, w1, w3, w2 = [t.cuda() for t in make_inputs(8, 16, 24, 4, 2, "random")]
-    with pytest.raises(TypeError, match="needs bfloat16 inputs"):
-        kernels.get_moe_backend("grouped_mm")(x, ids, w, w1, w3, w2)
+def test_grouped_mm_float32_on_cuda_falls_back_to_the_loop():
+    """_grouped_mm has no float32 CUDA kernel: the per-expert loop must give the reference result."""
+    x, ids, w, w1, w3, w2 = [t.cuda() for t in make_inputs(40, 16, 24, 6, 2, "one_expert_empty")]
+    dy = torch.randn(40, 16, device="cuda")
+    ref_y, ref_grads = run_with_grads(moe_reference, x, ids, w, w1, w3, w2, dy, torch.float64)
+    y, grads = run_with_grads(kernels.get_moe_backend("grouped_mm"), x, ids, w, w1, w3, w2, dy, torch.float32)
+    torch.testing.assert_close(y.double(), ref_y, rtol=1e-4, atol=1e-4)
+    for g, rg in zip(grads, ref_grads):
+        torch.testing.assert_close(g.double(), rg, rtol=1e-4, atol=1e-4)
