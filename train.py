@@ -150,8 +150,11 @@ class Trainer:
             inputs_BL, labels_BL = next(data_iter)
             inputs_BL, labels_BL = inputs_BL.to(self.device), labels_BL.to(self.device)
             with self.amp:
-                logits_BLV, router_stats_L3E = self.model(inputs_BL)
-                ce = F.cross_entropy(logits_BLV.flatten(0, 1).float(), labels_BL.flatten())
+                if cfg.training.loss_chunk_size > 0:
+                    ce, router_stats_L3E = self.model(inputs_BL, labels_BL, cfg.training.loss_chunk_size)
+                else:
+                    logits_BLV, router_stats_L3E = self.model(inputs_BL)
+                    ce = F.cross_entropy(logits_BLV.flatten(0, 1).float(), labels_BL.flatten())
                 aux = self.model.aux_loss(router_stats_L3E, inputs_BL.numel())
             loss = ce
             if cfg.moe.load_balance == "aux_loss" and cfg.moe.aux_loss_coef > 0:

@@ -77,6 +77,9 @@ class Training:
                                     "gradient accumulation", ge=-1)
     steps: int = _field(10000, "optimizer steps to train", ge=1)
     max_norm: float = _field(1.0, "gradient-norm clip; 0 disables clipping", ge=0)
+    loss_chunk_size: int = _field(0, "0: cross-entropy on the full logits; > 0: output projection + "
+                                  "cross-entropy fused in chunks of this many tokens, so the (tokens x vocab) "
+                                  "logits are never held whole", ge=0)
     seed: int = _field(0, "random seed for initialisation and data order", ge=0)
     deterministic: bool = _field(False, "use deterministic algorithms (slower)")
     mixed_precision_param: str = _field("bfloat16", "compute dtype of the forward/backward "

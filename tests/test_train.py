@@ -58,6 +58,12 @@ def test_backends_train_like_the_reference(tmp_path, backend):
     assert got == pytest.approx(ref, rel=1e-4)
 
 
+def test_chunked_loss_trains_like_full_logits(tmp_path):
+    ref = run_losses(make_trainer(tmp_path, "--training.steps", "3"))
+    got = run_losses(make_trainer(tmp_path, "--training.steps", "3", "--training.loss_chunk_size", "48"))
+    assert got == pytest.approx(ref, rel=1e-5)
+
+
 def test_config_error_exits_before_model_is_built(capsys):
     assert main(["--config", "train_configs/debug_model.toml", "--training.stepz", "3"]) == 2
     assert "unknown key 'stepz' in [training]" in capsys.readouterr().err

@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from components.loss import linear_cross_entropy
 from models.moe.moe import MoE, depth_init_std
 from models.moe.router import router_aux_loss
 from models.qwen3.args import Qwen3MoEArgs
@@ -145,9 +146,15 @@ class Qwen3MoE(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens_BL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, tokens_BL: torch.Tensor, labels_BL: torch.Tensor | None = None, loss_chunk_size: int = 0
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (logits_BLV, router_stats_L3E): per layer the routed-slot counts per expert, the
-        summed router probabilities and the slots dropped by EP capacity (see ``MoE.forward``)."""
+        summed router probabilities and the slots dropped by EP capacity (see ``MoE.forward``).
+
+        With ``labels_BL`` and ``loss_chunk_size`` > 0 it returns the mean cross-entropy instead of
+        the logits, computed chunk by chunk so the (B, L, V) logits never exist
+        (``components/loss.py``). It is computed here, inside the model, so that FSDP has gathered
+        the output weight (it is sharded together with the final norm)."""
         L = tokens_BL.shape[1]
         if L > self.args.max_seq_len:
             raise ValueError(f"sequence length {L} exceeds max_seq_len {self.args.max_seq_len}")
@@ -157,8 +164,11 @@ class Qwen3MoE(nn.Module):
         for layer in self.layers.values():
             h, router_stats_3E = layer(h, cos, sin)
             stats.append(router_stats_3E)
-        logits = self.output(self.norm(h))
-        return logits, torch.stack(stats)
+        h = self.norm(h)
+        if labels_BL is not None and loss_chunk_size > 0:
+            loss = linear_cross_entropy(h.flatten(0, 1), self.output.weight, labels_BL.flatten(), loss_chunk_size)
+            return loss, torch.stack(stats)
+        return self.output(h), torch.stack(stats)
 
     def aux_loss(self, router_stats_L3E: torch.Tensor, num_tokens: int) -> torch.Tensor:
         return router_aux_loss(router_stats_L3E[:, 0], router_stats_L3E[:, 1], num_tokens)

@@ -1,0 +1,29 @@
+"""Chunked output projection + cross-entropy against the plain path."""
+
+import pytest
+import torch
+
+from components.loss import linear_cross_entropy, linear_cross_entropy_reference
+
+
+@pytest.mark.parametrize("N,D,V,chunk", [(37, 16, 50, 8), (64, 32, 301, 64), (5, 8, 7, 100)])
+def test_matches_plain_cross_entropy_and_gradients(N, D, V, chunk):
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    h = torch.randn(N, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(V, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, V, (N,), generator=gen)
+    ref = linear_cross_entropy_reference(h, w, labels)
+    ref.backward()
+    ref_dh, ref_dw = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    h32, w32 = h.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    got = linear_cross_entropy(h32, w32, labels, chunk)
+    (2.0 * got).backward()  # a non-unit upstream gradient must scale both gradients
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h32.grad.double(), 2 * ref_dh, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(w32.grad.double(), 2 * ref_dw, rtol=1e-4, atol=1e-6)
+
+
+def test_bad_chunk():
+    with pytest.raises(ValueError, match="chunk must be >= 1"):
+        linear_cross_entropy(torch.zeros(2, 2), torch.zeros(3, 2), torch.zeros(2, dtype=torch.long), 0)
