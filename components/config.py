@@ -327,7 +327,7 @@ def _check_consistency(cfg: JobConfig, where: str) -> None:
         raise ConfigError(f"{where}: [metrics] summary_end_step ({m.summary_end_step}) must be >= "
                           f"summary_start_step ({m.summary_start_step})")
     t = cfg.training
-    if t.global_batch_size not in (-1,) and t.global_batch_size < 1:
+    if t.global_batch_size == 0:  # the range check already allows only -1 or more
         raise ConfigError(f"{where}: [training] global_batch_size must be -1 or >= 1, got {t.global_batch_size}")
     from kernels import available_moe_backends
 

@@ -52,9 +52,10 @@ def route_by_expert(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.
     ``_grouped_mm`` leaves rows past the last offset undefined (in its output and in the input
     gradient) and, on CPU, returns only ``offs[-1]`` rows.
     """
-    ids_N = topk_ids_TK.reshape(-1)
-    ids_N = torch.where(ids_N < 0, num_experts - 1, ids_N)
-    sorted_slots_N = torch.argsort(torch.where(topk_ids_TK.reshape(-1) < 0, num_experts, ids_N), stable=True)
+    sort_key_N = topk_ids_TK.reshape(-1)
+    sort_key_N = torch.where(sort_key_N < 0, num_experts, sort_key_N)  # empty slots last
+    sorted_slots_N = torch.argsort(sort_key_N, stable=True)
+    ids_N = sort_key_N.clamp(max=num_experts - 1)  # ... counted into the last expert's group
     counts_E = torch.zeros(num_experts, dtype=torch.int32, device=ids_N.device)
     counts_E = counts_E.scatter_add(0, ids_N, torch.ones_like(ids_N, dtype=torch.int32))
     return sorted_slots_N, torch.cumsum(counts_E, 0, dtype=torch.int32)

@@ -143,5 +143,4 @@ def finish_expert_grads(model: torch.nn.Module, mesh: DeviceMesh, dp_size: int) 
         flat = torch.cat([g.reshape(-1) for g in grads])
         torch.distributed.all_reduce(flat, group=mesh["dp_replicate"].get_group())
         torch._foreach_copy_(grads, list(flat.split([g.numel() for g in grads])))
-        grads = [g for g in grads]
     torch._foreach_div_(grads, float(dp_size))

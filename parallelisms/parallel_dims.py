@@ -61,9 +61,6 @@ class ParallelDims:
     def fsdp_mesh(self):
         return self.mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else self.mesh["dp_shard"]
 
-    @property
-    def ep_mesh(self):
-        return self.mesh["ep"]
 
 
 def build_parallel_dims(cfg: Parallelism, world_size: int, num_experts: int, device_type: str = "cpu") -> ParallelDims:
