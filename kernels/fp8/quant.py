@@ -43,9 +43,9 @@ E4M3_MAX = 448.0
 AMAX_EPS = 1e-12
 TILE = 128  # the scale block along every quantized dim
 
-_E4M3_MAX: tl.constexpr = 448.0
-_AMAX_EPS: tl.constexpr = 1e-12
-_TILE: tl.constexpr = 128
+_E4M3_MAX = tl.constexpr(448.0)
+_AMAX_EPS = tl.constexpr(1e-12)
+_TILE = tl.constexpr(128)
 
 FP8 = torch.float8_e4m3fn
 
