@@ -27,6 +27,7 @@ from components.metrics import MetricsLogger, flops_per_token
 from components.optimizer import build_lr_scheduler, build_optimizer
 from components.profiling import StepProfiler
 from components.tokenizer import TokenizerError, build_tokenizer
+from kernels import available_moe_backends, resolve_moe_backend
 from models.moe.router import update_expert_bias
 from models.qwen3.args import get_model_args
 from models.qwen3.model import Qwen3MoE, count_params
@@ -46,9 +47,13 @@ class ExpertCapacityError(RuntimeError):
 
 def check_implemented(cfg: JobConfig) -> None:
     """Settings whose code has not landed yet stop the run here instead of being ignored."""
-    if cfg.quantize.moe != "none":
-        raise ConfigError(f"[quantize] moe = {cfg.quantize.moe!r}: FP8 expert GEMMs are not implemented yet; "
-                          "set it to \"none\" (bf16)")
+    try:
+        name = resolve_moe_backend(cfg.moe.backend, cfg.quantize.moe)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if name not in available_moe_backends():
+        raise ConfigError(f"[quantize] moe = {cfg.quantize.moe!r} with [moe] backend = {cfg.moe.backend!r} "
+                          f"(backend {name!r}) is not implemented yet; set [quantize] moe = \"none\" (bf16)")
     if cfg.quantize.linear != "none":
         raise ConfigError(f"[quantize] linear = {cfg.quantize.linear!r}: FP8 dense linears are not implemented yet; "
                           "set it to \"none\" (bf16)")
@@ -108,7 +113,7 @@ class Trainer:
 
         seed_everything(t.seed, t.deterministic)
         with torch.device("meta"):
-            model = Qwen3MoE(self.model_args, moe_backend=cfg.moe.backend,
+            model = Qwen3MoE(self.model_args, moe_backend=resolve_moe_backend(cfg.moe.backend, cfg.quantize.moe),
                              use_expert_bias=cfg.moe.load_balance == "expert_bias",
                              attention_backend=m.attention_backend)
         parallelize_model(model, self.parallel_dims, cfg, self.distributed)

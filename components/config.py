@@ -138,7 +138,9 @@ class Compile:
 
 @dataclass
 class Quantize:
-    moe: str = _field("none", "expert GEMM precision (fp8_blockwise: not implemented yet)", choices=("none", "fp8_blockwise"))
+    moe: str = _field("none", "expert GEMM precision: fp8_blockwise (DeepSeek-V3 style block scales; backend "
+                      "mega) or fp8_rowwise (TorchTitan's rowwise scaled grouped GEMM; backend grouped_mm)",
+                      choices=("none", "fp8_blockwise", "fp8_rowwise"))
     linear: str = _field("none", "dense linear precision (fp8_rowwise: not implemented yet)", choices=("none", "fp8_rowwise"))
 
 

@@ -58,6 +58,26 @@ def register_moe_backend(name: str) -> Callable[[MoEBackend], MoEBackend]:
     return wrap
 
 
+# ``[quantize] moe``: the registered backend that computes each (``[moe] backend``, precision) pair.
+# Block-scaled FP8 (1 x 128 activation tiles, 128 x 128 weight blocks) is the mega kernels' method;
+# rowwise FP8 through ``torch._scaled_grouped_mm`` is TorchTitan's method for its grouped GEMMs.
+QUANTIZED_MOE_BACKENDS: dict[tuple[str, str], str] = {
+    ("mega", "fp8_blockwise"): "mega_fp8",
+    ("grouped_mm", "fp8_rowwise"): "grouped_mm_fp8",
+}
+
+
+def resolve_moe_backend(backend: str, quantize: str = "none") -> str:
+    """Name of the registered backend for ``[moe] backend`` at precision ``[quantize] moe``."""
+    if quantize == "none":
+        return backend
+    if (backend, quantize) not in QUANTIZED_MOE_BACKENDS:
+        pairs = ", ".join(f"backend = {b!r} with moe = {q!r}" for b, q in QUANTIZED_MOE_BACKENDS)
+        raise ValueError(f"[quantize] moe = {quantize!r} is not available for [moe] backend = {backend!r}; "
+                         f"supported: {pairs}")
+    return QUANTIZED_MOE_BACKENDS[backend, quantize]
+
+
 def available_moe_backends() -> list[str]:
     return sorted(set(_BACKENDS) | set(_LAZY_MODULES))
 
