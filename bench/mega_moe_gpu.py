@@ -41,22 +41,18 @@ SHAPES = {
     "235B": dict(T=16384, D=4096, F=1536, E=128, K=8),
 }
 
-# Candidates per kernel: TileConfig(block_m, block_n, block_k, num_warps, num_stages).
+# Candidates per kernel: TileConfig(block_m, block_n, block_k, num_warps, num_stages, epilogue_split,
+# persistent). Session 2: persistent grids (1 program per SM, tile loop flattened so the next tile's
+# loads overlap this tile's epilogue) for the M-tiled kernels; dW13 is one GEMM over the 2F columns of
+# dH (block_m now tiles 2F), so 128 x 256 tiles read 85 FLOP per L2 byte instead of 51.
 SWEEP = {
-    "gate_up": [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 64, 64, 8, 3)],
-    "down": [(128, 256, 64, 8, 4), (128, 256, 64, 8, 3), (128, 256, 32, 8, 4), (128, 128, 64, 8, 3)],
-    # dh: a 6th entry is epilogue_split (2: SwiGLU backward one column half at a time).
-    "dh": [
-        (64, 64, 64, 4, 4), (128, 64, 64, 8, 4), (128, 128, 64, 8, 4, 2), (128, 128, 64, 8, 3, 2),
-        (128, 64, 64, 8, 4, 2), (64, 128, 64, 4, 4, 2),
-    ],  # fmt: skip
-    "dx": [(128, 256, 32, 8, 3), (128, 256, 32, 8, 4), (128, 128, 64, 8, 3), (256, 128, 32, 8, 3)],
-    # The weight-gradient loops run over each expert's rows (~1024 at T 16384): BLOCK_K 128 halves
-    # their trip count, which the session-1 profile blamed for these kernels' ~345 TFLOP/s.
-    "dw13": [(128, 64, 64, 8, 3), (128, 64, 64, 8, 4), (64, 64, 64, 4, 4), (128, 128, 32, 8, 3), (256, 64, 32, 8, 3),
-             (128, 64, 128, 8, 2), (64, 128, 128, 8, 2)],
-    "dw2": [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 32, 8, 4),
-            (128, 128, 128, 8, 2), (128, 64, 128, 8, 3)],
+    "gate_up": [(128, 128, 64, 8, 4), (128, 128, 64, 8, 4, 1, 1), (128, 128, 64, 8, 3, 1, 1), (128, 128, 32, 8, 4, 1, 1)],
+    "down": [(128, 256, 64, 8, 4), (128, 256, 64, 8, 4, 1, 1), (128, 256, 64, 8, 3, 1, 1), (128, 128, 64, 8, 4, 1, 1)],
+    "dh": [(128, 128, 64, 8, 4, 2), (128, 128, 64, 8, 4, 2, 1), (128, 128, 64, 8, 3, 2, 1), (128, 64, 64, 8, 4, 2, 1)],
+    "dx": [(128, 256, 32, 8, 3), (128, 256, 32, 8, 3, 1, 1), (128, 256, 32, 8, 4, 1, 1), (128, 128, 64, 8, 3, 1, 1)],
+    "dw13": [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4),
+             (128, 256, 32, 8, 4)],
+    "dw2": [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 256, 64, 8, 4), (128, 256, 32, 8, 4)],
 }
 # FLOPs of each kernel in units of N*D*F.
 KERNEL_FLOPS = {"gate_up": 4, "down": 2, "dh": 2, "dx": 4, "dw13": 4, "dw2": 2}
@@ -201,6 +197,23 @@ def sweep_kernels(inputs, iters, flop_unit):
     return MegaMoEConfigs(**best)
 
 
+def config_variant(name: str, D: int, F: int, E: int) -> MegaMoEConfigs:
+    """The default configs with named changes, '+'-joined: wgrad_gmm (weight gradients through
+    torch._grouped_mm), wgrad_triton, down_persistent / down_plain (persistent grid or not)."""
+    configs = get_configs(D, F, E)
+    for part in name.split("+"):
+        if part == "default":
+            continue
+        elif part in ("wgrad_gmm", "wgrad_triton"):
+            configs = dataclasses.replace(configs, wgrad="grouped_mm" if part == "wgrad_gmm" else "triton")
+        elif part in ("down_persistent", "down_plain"):
+            down = dataclasses.replace(configs.down, persistent=int(part == "down_persistent"))
+            configs = dataclasses.replace(configs, down=down)
+        else:
+            raise ValueError(f"unknown config variant part {part!r}")
+    return configs
+
+
 def run_shape(label, shape, args, table_rows):
     T, D, Fdim, E, K = shape["T"], shape["D"], shape["F"], shape["E"], shape["K"]
     N = T * K
@@ -218,6 +231,8 @@ def run_shape(label, shape, args, table_rows):
 
     base_name, base_fn = baseline_backend()
     variants = [("mega", mega_moe, False), ("mega", mega_moe, True), (base_name, base_fn, False), (base_name, base_fn, True)]
+    if args.only_mega:
+        variants = variants[:1]
     for name, fn, compiled in variants:
         mode = "compile" if compiled else "eager"
         try:
@@ -234,8 +249,21 @@ def run_shape(label, shape, args, table_rows):
             traceback.print_exc()
         torch.cuda.empty_cache()
 
+    for variant in args.config_variants.split(",") if args.config_variants else []:
+        configs = config_variant(variant, D, Fdim, E)
+        with override_configs(configs):
+            try:
+                f_ms, fb_ms = time_backend(mega_moe, inputs, args.iters)
+            except Exception as exc:
+                log(f"  mega [{variant}]: FAILED {type(exc).__name__}: {str(exc)[:300]}")
+                continue
+        log(f"  mega [{variant:22s}] eager fwd {f_ms:7.3f} ms ({6 * unit / f_ms / 1e9:6.1f} TFLOP/s)  "
+            f"fwd+bwd {fb_ms:7.3f} ms ({18 * unit / fb_ms / 1e9:6.1f} TFLOP/s)")  # fmt: skip
+        table_rows.append((label, f"mega eager [{variant}]", f_ms, 6 * unit / f_ms / 1e9, fb_ms, 18 * unit / fb_ms / 1e9))
+
     if args.profile:
-        profile_mega(inputs)
+        with override_configs(config_variant(args.profile_variant, D, Fdim, E)):
+            profile_mega(inputs)
 
     if not args.no_sweep:
         log("  per-kernel tile sweep (each kernel alone):")
@@ -257,6 +285,10 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--no-sweep", action="store_true", help="skip the per-kernel tile sweep")
     parser.add_argument("--profile", action="store_true", help="print a torch-profiler kernel table")
+    parser.add_argument("--only-mega", action="store_true", help="time mega eager only (no baseline, no compile)")
+    parser.add_argument("--profile-variant", default="default", help="config variant to profile (see --config-variants)")
+    parser.add_argument("--config-variants", default="", help="comma-separated config variants to time in "
+                        "eager mode after the main variants, e.g. wgrad_gmm,wgrad_gmm+down_persistent")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     log(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "

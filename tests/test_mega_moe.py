@@ -24,7 +24,7 @@ from kernels.moe_reference import moe_reference  # noqa: E402
 triton = pytest.importorskip("triton")
 from kernels.mega_moe import get_configs, mega_moe, override_configs  # noqa: E402
 from kernels.mega_moe import forward as _fwd_module  # noqa: E402
-from kernels.mega_moe.routing import max_tiles, sort_by_expert, tile_table  # noqa: E402
+from kernels.mega_moe.routing import max_tiles, num_real_tiles, sort_by_expert, tile_table  # noqa: E402
 
 if not _HAS_CUDA and not type(_fwd_module._gate_up_kernel).__name__ == "InterpretedFunction":
     pytest.skip(
@@ -162,6 +162,30 @@ def test_dh_epilogue_split(split):
         _check_against_reference(T, K, E, D, F, "random", dtype, tol, _seed())
 
 
+@pytest.mark.parametrize("kind", ["random", "empty_expert", "one_expert"])
+def test_wgrad_grouped_mm(kind):
+    """Weight gradients through torch._grouped_mm on expert-sorted copies (MegaMoEConfigs.wgrad)."""
+    T, K, E, D, F = (33, 2, 4, 32, 48) if not _HAS_CUDA else (1000, 8, 16, 256, 384)
+    dtype, tol = (torch.float32, 1e-5) if not _HAS_CUDA else (torch.bfloat16, 2e-2)
+    configs = dataclasses.replace(get_configs(D, F, E, dtype), wgrad="grouped_mm")
+    with override_configs(configs):
+        _check_against_reference(T, K, E, D, F, kind, dtype, tol, _seed())
+
+
+@pytest.mark.parametrize("persistent", [0, 1])
+def test_persistent_launch(persistent):
+    """All four M-tiled kernels on a persistent grid (tile loop flattened) or one program per tile."""
+    T, K, E, D, F = (33, 2, 4, 32, 48) if not _HAS_CUDA else (1000, 8, 16, 256, 384)
+    dtype, tol = (torch.float32, 1e-5) if not _HAS_CUDA else (torch.bfloat16, 2e-2)
+    configs = get_configs(D, F, E, dtype)
+    configs = dataclasses.replace(configs, **{
+        name: dataclasses.replace(getattr(configs, name), persistent=persistent)
+        for name in ("gate_up", "down", "dh", "dx")
+    })  # fmt: skip
+    with override_configs(configs):
+        _check_against_reference(T, K, E, D, F, "empty_expert", dtype, tol, _seed())
+
+
 @pytest.mark.parametrize("T,K,E,kind", [(7, 2, 4, "empty_expert"), (33, 8, 8, "random"), (20, 1, 3, "one_expert")])
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_routing_metadata(T, K, E, kind, block_m):
@@ -180,8 +204,11 @@ def test_routing_metadata(T, K, E, kind, block_m):
     table = tile_table(offsets, N, block_m).cpu()
     assert table.shape == (2, max_tiles(N, E, block_m)) == (2, N // block_m + E)
     expected = [(e, start) for e in range(E) for start in range(offsets[e].item(), offsets[e + 1].item(), block_m)]
+    real = len(expected)
     expected += [(-1, 0)] * (table.shape[1] - len(expected))
     assert list(zip(table[0].tolist(), table[1].tolist())) == expected, f"seed={seed}"
+    # The persistent loops run over exactly the real tiles, whose count follows the table.
+    assert num_real_tiles(tile_table(offsets, N, block_m)).item() == real, f"seed={seed}"
 
 
 def test_deterministic():

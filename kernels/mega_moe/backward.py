@@ -6,7 +6,7 @@ With g, u the gate/up halves of H (saved by the forward, expert-sorted rows r, s
     ds[slot] = rowsum(dA'[r] * silu(g) * u)                       (same epilogue, per-F-tile partials)
     dgate   = s * dA' * u * silu'(g),  dup = s * dA' * silu(g)    (same epilogue, stored as dH)
     dXbuf[slot] = dgate @ w1[e] + dup @ w3[e];  dx[t] = sum_k dXbuf[t*K+k]   (_dx_kernel)
-    dW1[e] = dgate_e^T @ x_e,  dW3[e] = dup_e^T @ x_e              (_dw13_kernel)
+    [dW1[e]; dW3[e]] = [dgate | dup]_e^T @ x_e                    (_dw13_kernel, one GEMM over 2F)
     dW2[e] = dy_e^T @ (s * silu(g) * u)_e                          (_dw2_kernel)
 
 dy and x rows are gathered by token index inside the loads, so nothing of N x D is saved or
@@ -16,7 +16,11 @@ SwiGLU once per D-tile, which made dW2 2.3x slower on the H200 (2.8 ms vs 1.2 ms
 
 The weight-gradient kernels are grouped GEMMs whose reduction runs over the variable row range of
 one expert: a grid of E * m_tiles * n_tiles programs, expert slowest; an expert with no rows
-stores exact zeros.
+stores exact zeros. On the H200 they reach only ~330 TFLOP/s (short K loops of ~1024 rows per
+expert), so for bf16 the default (``MegaMoEConfigs.wgrad = "grouped_mm"``) computes the weight
+gradients with cuBLAS's K-grouped ``torch._grouped_mm`` instead, on x and dy rows copied into expert
+order inside the backward (transient, 0.5 GB each at the 30B shape; nothing more is saved for
+backward): 1.3-1.5 ms faster per layer at 30B, 5 ms at 235B (BENCHMARKS Run 4).
 Every sum has a fixed order (no float atomics), so the backward is deterministic.
 """
 
@@ -26,7 +30,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.mega_moe.common import launch_flags, launch_options, mma, sum_over_k, tile_rows, valid_slots
+from kernels.mega_moe.common import (
+    launch_flags,
+    launch_options,
+    m_tiled_launch,
+    mma,
+    num_work,
+    sum_over_k,
+    tile_rows,
+    valid_slots,
+)
 from kernels.mega_moe.configs import MegaMoEConfigs, TileConfig
 from kernels.mega_moe.routing import max_tiles, tile_table
 
@@ -54,53 +67,53 @@ def _dh_kernel(
     EVEN_K: tl.constexpr,
     STORE_SA: tl.constexpr,
     EPI_SPLIT: tl.constexpr,
+    NUM_PROGS,
+    PERSISTENT: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
     num_n = tl.cdiv(F, BLOCK_N)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
-    expert, rows, rmask, _ = tile_rows(table_ptr, offsets_ptr, num_tiles, pid_m, BLOCK_M)
-    if expert < 0:
-        return
+    for work in tl.range(tl.program_id(0), num_work(table_ptr, num_tiles, num_n), NUM_PROGS, flatten=PERSISTENT):
+        pid_m = work // num_n
+        pid_n = work % num_n
+        expert, rows, rmask, _ = tile_rows(table_ptr, offsets_ptr, num_tiles, pid_m, BLOCK_M)
 
-    slot = tl.load(sorted_slot_ptr + rows, mask=rmask, other=0)
-    tok = (slot // K_TOP).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_n_ld = offs_n % F
-    offs_k = tl.arange(0, BLOCK_K)
-    dy_ptrs = dy_ptr + tok[:, None] * D + offs_k[None, :]
-    w_ptrs = w2_ptr + expert.to(tl.int64) * D * F + offs_k[:, None] * F + offs_n_ld[None, :]
+        slot = tl.load(sorted_slot_ptr + rows, mask=rmask, other=0)
+        tok = (slot // K_TOP).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n_ld = offs_n % F
+        offs_k = tl.arange(0, BLOCK_K)
+        dy_ptrs = dy_ptr + tok[:, None] * D + offs_k[None, :]
+        w_ptrs = w2_ptr + expert.to(tl.int64) * D * F + offs_k[:, None] * F + offs_n_ld[None, :]
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(dy_ptrs)
-            b = tl.load(w_ptrs)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(dy_ptrs)
+                b = tl.load(w_ptrs)
+            else:
+                kmask = offs_k + k0 < D
+                a = tl.load(dy_ptrs, mask=kmask[None, :], other=0.0)
+                b = tl.load(w_ptrs, mask=kmask[:, None], other=0.0)
+            acc = mma(a, b, acc, UPCAST, IEEE)
+            dy_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * F
+
+        s = tl.load(s_ptr + slot, mask=rmask, other=0.0)
+        rows64 = rows.to(tl.int64)
+        if EPI_SPLIT == 2:
+            # The epilogue keeps ~6 fp32 tiles live; doing it one column half at a time lets a
+            # 128-wide tile run without spilling.
+            acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            offs_lo = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
+            ds_part = _dh_epilogue(acc_lo, rows64, rmask, s, offs_lo, h_ptr, dh_ptr, sa_ptr, F, STORE_SA)
+            ds_part += _dh_epilogue(
+                acc_hi, rows64, rmask, s, offs_lo + BLOCK_N // 2, h_ptr, dh_ptr, sa_ptr, F, STORE_SA
+            )
         else:
-            kmask = offs_k + k0 < D
-            a = tl.load(dy_ptrs, mask=kmask[None, :], other=0.0)
-            b = tl.load(w_ptrs, mask=kmask[:, None], other=0.0)
-        acc = mma(a, b, acc, UPCAST, IEEE)
-        dy_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * F
-
-    s = tl.load(s_ptr + slot, mask=rmask, other=0.0)
-    rows64 = rows.to(tl.int64)
-    if EPI_SPLIT == 2:
-        # The epilogue keeps ~6 fp32 tiles live; doing it one column half at a time lets a
-        # 128-wide tile run without spilling.
-        acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-        offs_lo = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
-        ds_part = _dh_epilogue(acc_lo, rows64, rmask, s, offs_lo, h_ptr, dh_ptr, sa_ptr, F, STORE_SA)
-        ds_part += _dh_epilogue(
-            acc_hi, rows64, rmask, s, offs_lo + BLOCK_N // 2, h_ptr, dh_ptr, sa_ptr, F, STORE_SA
-        )
-    else:
-        ds_part = _dh_epilogue(acc, rows64, rmask, s, offs_n, h_ptr, dh_ptr, sa_ptr, F, STORE_SA)
-    # Partial ds of this F-tile; the launcher sums the partials in a fixed order.
-    tl.store(ds_part_ptr + pid_n * N + slot, ds_part, mask=rmask)
+            ds_part = _dh_epilogue(acc, rows64, rmask, s, offs_n, h_ptr, dh_ptr, sa_ptr, F, STORE_SA)
+        # Partial ds of this F-tile; the launcher sums the partials in a fixed order.
+        tl.store(ds_part_ptr + pid_n * N + slot, ds_part, mask=rmask)
 
 
 @triton.jit
@@ -143,49 +156,49 @@ def _dx_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    NUM_PROGS,
+    PERSISTENT: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
     num_n = tl.cdiv(D, BLOCK_N)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
-    expert, rows, rmask, safe_rows = tile_rows(table_ptr, offsets_ptr, num_tiles, pid_m, BLOCK_M)
-    if expert < 0:
-        return
+    for work in tl.range(tl.program_id(0), num_work(table_ptr, num_tiles, num_n), NUM_PROGS, flatten=PERSISTENT):
+        pid_m = work // num_n
+        pid_n = work % num_n
+        expert, rows, rmask, safe_rows = tile_rows(table_ptr, offsets_ptr, num_tiles, pid_m, BLOCK_M)
 
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_n_ld = offs_n % D
-    offs_k = tl.arange(0, BLOCK_K)
-    dg_ptrs = dh_ptr + safe_rows.to(tl.int64)[:, None] * (2 * F) + offs_k[None, :]
-    w_off = expert.to(tl.int64) * F * D + offs_k[:, None] * D + offs_n_ld[None, :]
-    w1_ptrs = w1_ptr + w_off
-    w3_ptrs = w3_ptr + w_off
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n_ld = offs_n % D
+        offs_k = tl.arange(0, BLOCK_K)
+        dg_ptrs = dh_ptr + safe_rows.to(tl.int64)[:, None] * (2 * F) + offs_k[None, :]
+        w_off = expert.to(tl.int64) * F * D + offs_k[:, None] * D + offs_n_ld[None, :]
+        w1_ptrs = w1_ptr + w_off
+        w3_ptrs = w3_ptr + w_off
 
-    # One accumulator for both halves: dX = [dgate | dup] @ [w1[e]; w3[e]].
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, F, BLOCK_K):
-        if EVEN_K:
-            dg = tl.load(dg_ptrs)
-            du = tl.load(dg_ptrs + F)
-            b1 = tl.load(w1_ptrs)
-            b3 = tl.load(w3_ptrs)
-        else:
-            kmask = offs_k + k0 < F
-            dg = tl.load(dg_ptrs, mask=kmask[None, :], other=0.0)
-            du = tl.load(dg_ptrs + F, mask=kmask[None, :], other=0.0)
-            b1 = tl.load(w1_ptrs, mask=kmask[:, None], other=0.0)
-            b3 = tl.load(w3_ptrs, mask=kmask[:, None], other=0.0)
-        acc = mma(dg, b1, acc, UPCAST, IEEE)
-        acc = mma(du, b3, acc, UPCAST, IEEE)
-        dg_ptrs += BLOCK_K
-        w1_ptrs += BLOCK_K * D
-        w3_ptrs += BLOCK_K * D
+        # One accumulator for both halves: dX = [dgate | dup] @ [w1[e]; w3[e]].
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, F, BLOCK_K):
+            if EVEN_K:
+                dg = tl.load(dg_ptrs)
+                du = tl.load(dg_ptrs + F)
+                b1 = tl.load(w1_ptrs)
+                b3 = tl.load(w3_ptrs)
+            else:
+                kmask = offs_k + k0 < F
+                dg = tl.load(dg_ptrs, mask=kmask[None, :], other=0.0)
+                du = tl.load(dg_ptrs + F, mask=kmask[None, :], other=0.0)
+                b1 = tl.load(w1_ptrs, mask=kmask[:, None], other=0.0)
+                b3 = tl.load(w3_ptrs, mask=kmask[:, None], other=0.0)
+            acc = mma(dg, b1, acc, UPCAST, IEEE)
+            acc = mma(du, b3, acc, UPCAST, IEEE)
+            dg_ptrs += BLOCK_K
+            w1_ptrs += BLOCK_K * D
+            w3_ptrs += BLOCK_K * D
 
-    slot = tl.load(sorted_slot_ptr + rows, mask=rmask, other=0)
-    smask = rmask[:, None] & (offs_n < D)[None, :]
-    out_ptrs = dxbuf_ptr + slot.to(tl.int64)[:, None] * D + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(dxbuf_ptr.dtype.element_ty), mask=smask)
+        slot = tl.load(sorted_slot_ptr + rows, mask=rmask, other=0)
+        smask = rmask[:, None] & (offs_n < D)[None, :]
+        out_ptrs = dxbuf_ptr + slot.to(tl.int64)[:, None] * D + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(dxbuf_ptr.dtype.element_ty), mask=smask)
 
 
 @triton.jit
@@ -199,14 +212,14 @@ def _dw13_kernel(
     K_TOP,
     D,
     F,
-    BLOCK_M: tl.constexpr,  # over F
+    BLOCK_M: tl.constexpr,  # over the 2F columns of dH: [dW1[e]; dW3[e]] is one (2F, D) product
     BLOCK_N: tl.constexpr,  # over D
     BLOCK_K: tl.constexpr,  # over the expert's rows
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    num_m = tl.cdiv(F, BLOCK_M)
+    num_m = tl.cdiv(2 * F, BLOCK_M)
     num_n = tl.cdiv(D, BLOCK_N)
     expert = pid // (num_m * num_n)
     pid_mn = pid % (num_m * num_n)
@@ -215,29 +228,33 @@ def _dw13_kernel(
     start = tl.load(offsets_ptr + expert)
     end = tl.load(offsets_ptr + expert + 1)
 
+    # One accumulator over [dgate | dup] rather than one per half: a (BLOCK_M + BLOCK_N) x BLOCK_K
+    # operand load feeds a BLOCK_M x BLOCK_N tile, so a 128 x 256 tile reads 85 FLOP per byte from
+    # L2 where two 128 x 64 accumulators sharing x read 51 (L2 bandwidth bounded the old kernel).
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m_ld = offs_m % F
+    offs_m_ld = offs_m % (2 * F)
     offs_n_ld = offs_n % D
-    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(start, end, BLOCK_K):
         rows = r0 + tl.arange(0, BLOCK_K)
         rmask = rows < end
         slot = tl.load(sorted_slot_ptr + rows, mask=rmask, other=0)
         tok = (slot // K_TOP).to(tl.int64)
         xt = tl.load(x_ptr + tok[:, None] * D + offs_n_ld[None, :], mask=rmask[:, None], other=0.0)
-        dh_ptrs = dh_ptr + rows.to(tl.int64)[:, None] * (2 * F) + offs_m_ld[None, :]
-        dg = tl.load(dh_ptrs, mask=rmask[:, None], other=0.0)
-        du = tl.load(dh_ptrs + F, mask=rmask[:, None], other=0.0)
-        acc1 = mma(tl.trans(dg), xt, acc1, UPCAST, IEEE)
-        acc3 = mma(tl.trans(du), xt, acc3, UPCAST, IEEE)
+        dh = tl.load(dh_ptr + rows.to(tl.int64)[:, None] * (2 * F) + offs_m_ld[None, :],
+                     mask=rmask[:, None], other=0.0)
+        acc = mma(tl.trans(dh), xt, acc, UPCAST, IEEE)
 
-    dtype = dw1_ptr.dtype.element_ty
-    out_off = expert.to(tl.int64) * F * D + offs_m[:, None] * D + offs_n[None, :]
-    omask = (offs_m < F)[:, None] & (offs_n < D)[None, :]
-    tl.store(dw1_ptr + out_off, acc1.to(dtype), mask=omask)
-    tl.store(dw3_ptr + out_off, acc3.to(dtype), mask=omask)
+    # Row m of the product is dW1[e][m] for m < F and dW3[e][m - F] above: two masked stores, each
+    # element written once (a tile may straddle the halves when BLOCK_M does not divide F).
+    out = acc.to(dw1_ptr.dtype.element_ty)
+    nmask = (offs_n < D)[None, :]
+    is_up = offs_m >= F
+    row = tl.where(is_up, offs_m - F, offs_m)
+    out_off = expert.to(tl.int64) * F * D + row[:, None] * D + offs_n[None, :]
+    tl.store(dw1_ptr + out_off, out, mask=(offs_m < F)[:, None] & nmask)
+    tl.store(dw3_ptr + out_off, out, mask=(is_up & (offs_m < 2 * F))[:, None] & nmask)
 
 
 @triton.jit
@@ -329,12 +346,13 @@ def dh(
     dh_N2F = torch.empty_like(h_N2F)
     sa_NF = torch.empty((N, F), device=h_N2F.device, dtype=h_N2F.dtype) if store_sa else None
     ds_part_PN = torch.empty((num_f_tiles, N), device=h_N2F.device, dtype=torch.float32)
-    _dh_kernel[(n_tiles * num_f_tiles,)](
+    grid, loop = m_tiled_launch(n_tiles, num_f_tiles, cfg, h_N2F.device)
+    _dh_kernel[grid](
         dy_TD, w2_EDF, h_N2F, topk_weights_TK, dh_N2F, sa_NF if store_sa else dh_N2F, ds_part_PN,
         sorted_slot_N, offsets_E1, tiles,
         n_tiles, N, K, D, F,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=D % cfg.block_k == 0,
-        STORE_SA=store_sa, EPI_SPLIT=cfg.epilogue_split, **launch_flags(h_N2F.dtype), **launch_options(cfg),
+        STORE_SA=store_sa, EPI_SPLIT=cfg.epilogue_split, **launch_flags(h_N2F.dtype), **launch_options(cfg), **loop,
     )  # fmt: skip
     # Partials of the F-tiles summed in a fixed order: deterministic.
     return dh_N2F, ds_part_PN.sum(0).view(T, K), sa_NF
@@ -356,11 +374,12 @@ def dx_slots(
     if tiles is None:
         tiles = tile_table(offsets_E1, N, cfg.block_m)
     dxbuf_ND = torch.empty((N, D), device=dh_N2F.device, dtype=dh_N2F.dtype)
-    _dx_kernel[(n_tiles * triton.cdiv(D, cfg.block_n),)](
+    grid, loop = m_tiled_launch(n_tiles, triton.cdiv(D, cfg.block_n), cfg, dh_N2F.device)
+    _dx_kernel[grid](
         dh_N2F, w1_EFD, w3_EFD, dxbuf_ND, sorted_slot_N, offsets_E1, tiles,
         n_tiles, D, F,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=F % cfg.block_k == 0,
-        **launch_flags(dh_N2F.dtype), **launch_options(cfg),
+        **launch_flags(dh_N2F.dtype), **launch_options(cfg), **loop,
     )  # fmt: skip
     return dxbuf_ND
 
@@ -380,7 +399,7 @@ def dw13(
     E = num_experts
     dw1_EFD = torch.empty((E, F, D), device=x_TD.device, dtype=x_TD.dtype)
     dw3_EFD = torch.empty_like(dw1_EFD)
-    _dw13_kernel[(E * triton.cdiv(F, cfg.block_m) * triton.cdiv(D, cfg.block_n),)](
+    _dw13_kernel[(E * triton.cdiv(2 * F, cfg.block_m) * triton.cdiv(D, cfg.block_n),)](
         x_TD, dh_N2F, dw1_EFD, dw3_EFD, sorted_slot_N, offsets_E1,
         top_k, D, F,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -451,7 +470,54 @@ def moe_backward(
     dx_TD = sum_over_k(dxbuf_ND, T, K, valid_N)
     del dxbuf_ND
     ds_TK = torch.where(valid_N.view(T, K) != 0, ds_TK, 0.0)
+    if use_grouped_mm_wgrad(configs, x_TD) and sa_NF is not None:
+        dw1_EFD, dw3_EFD, dw2_EDF = wgrad_grouped_mm(x_TD, dy_TD, dh_N2F, sa_NF, sorted_slot_N, offsets_E1, K)
+        return dx_TD, dw1_EFD, dw3_EFD, dw2_EDF, ds_TK
     dw1_EFD, dw3_EFD = dw13(x_TD, dh_N2F, sorted_slot_N, offsets_E1, E, K, configs.dw13)
     del dh_N2F
     dw2_EDF = dw2(dy_TD, h_N2F, topk_weights_TK, sa_NF, sorted_slot_N, offsets_E1, E, configs.dw2)
     return dx_TD, dw1_EFD, dw3_EFD, dw2_EDF, ds_TK
+
+
+def use_grouped_mm_wgrad(configs: MegaMoEConfigs, x_TD: torch.Tensor) -> bool:
+    """``configs.wgrad == "grouped_mm"`` where ``torch._grouped_mm`` has a kernel for x's dtype."""
+    if configs.wgrad == "triton":
+        return False
+    if configs.wgrad != "grouped_mm":
+        raise ValueError(f"MegaMoEConfigs.wgrad must be 'triton' or 'grouped_mm', got {configs.wgrad!r}")
+    # On CPU (interpreter tests) a loop over the experts stands in for the cuBLAS kernel.
+    return not x_TD.is_cuda or x_TD.dtype == torch.bfloat16
+
+
+def _k_grouped_mm(a_MN: torch.Tensor, b_NK: torch.Tensor, ends_E: torch.Tensor) -> torch.Tensor:
+    """out[e] = a[:, rows of e] @ b[rows of e]: (E, M, K), rows of e = ends[e-1] : ends[e]."""
+    if a_MN.is_cuda:
+        return torch._grouped_mm(a_MN, b_NK, offs=ends_E)
+    ends = ends_E.tolist()
+    return torch.stack([a_MN[:, s:e] @ b_NK[s:e] for s, e in zip([0] + ends[:-1], ends)])
+
+
+def wgrad_grouped_mm(
+    x_TD: torch.Tensor,
+    dy_TD: torch.Tensor,
+    dh_N2F: torch.Tensor,
+    sa_NF: torch.Tensor,
+    sorted_slot_N: torch.Tensor,
+    offsets_E1: torch.Tensor,
+    top_k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dW1, dW3, dW2 as K-grouped ``torch._grouped_mm`` over expert-sorted rows.
+
+    The gathered operands are materialised here (x and dy rows in expert order, N x D each) because
+    cuBLAS takes no row index; rows of empty slots (past offsets_E1[E]) belong to no group.
+    """
+    ends_E = offsets_E1[1:]
+    tok_N = (sorted_slot_N // top_k).long()
+    F = sa_NF.shape[1]
+    xs_ND = x_TD.index_select(0, tok_N)
+    dw1_EFD = _k_grouped_mm(dh_N2F[:, :F].t(), xs_ND, ends_E)
+    dw3_EFD = _k_grouped_mm(dh_N2F[:, F:].t(), xs_ND, ends_E)
+    del xs_ND
+    dys_ND = dy_TD.index_select(0, tok_N)
+    dw2_EDF = _k_grouped_mm(dys_ND.t(), sa_NF, ends_E)
+    return dw1_EFD, dw3_EFD, dw2_EDF

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -41,6 +43,35 @@ def tile_rows(table_ptr, offsets_ptr, num_tiles, pid_m, BLOCK_M: tl.constexpr):
     rmask = rows < row_end
     safe_rows = tl.where(rmask, rows, row0)
     return expert, rows, rmask, safe_rows
+
+
+@triton.jit
+def num_work(table_ptr, num_tiles, num_n):
+    """Work items (M-tile, N-tile) of the real tiles: the count the tile table stores after itself."""
+    return tl.load(table_ptr + 2 * num_tiles) * num_n
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def m_tiled_launch(n_tiles: int, num_n: int, cfg: TileConfig, device: torch.device) -> tuple[tuple[int], dict]:
+    """Grid and loop arguments of an M-tiled GEMM kernel (gate_up, down, dh, dx).
+
+    Every program loops ``for work in range(pid, num_work, NUM_PROGS)`` over the real tiles only. With
+    ``cfg.persistent`` = p > 0 the grid is p programs per SM and the loop is flattened
+    (``tl.range(..., flatten=True)``) so that the next tile's loads are issued during this tile's
+    epilogue; with 0 the grid is the static bound (one program per possible tile), surplus programs
+    skip the loop. Under the interpreter a persistent grid is 3 programs, to exercise the loop.
+    """
+    total = max(n_tiles * num_n, 1)
+    if cfg.persistent:
+        progs = 3 if interpreting() else cfg.persistent * _num_sms(device.index or 0)
+        progs = min(total, progs)
+    else:
+        progs = total
+    return (progs,), dict(NUM_PROGS=progs, PERSISTENT=bool(cfg.persistent))
 
 
 def launch_flags(dtype: torch.dtype) -> dict:

@@ -11,7 +11,7 @@ Kernel names (the keys of :class:`MegaMoEConfigs`):
 - ``down``     forward, Y_slot = s * (A @ w2[e]^T)                M = routed rows, N = D, K = F
 - ``dh``       backward, dA' = dy_g @ w2[e] then SwiGLU backward  M = routed rows, N = F, K = D
 - ``dx``       backward, dX_slot = dH @ [w1[e]; w3[e]]            M = routed rows, N = D, K = F
-- ``dw13``     backward, dW1/dW3[e] = dH_e^T @ x_e                M = F, N = D, K = rows of e
+- ``dw13``     backward, [dW1; dW3][e] = dH_e^T @ x_e             M = 2F, N = D, K = rows of e
 - ``dw2``      backward, dW2[e] = dy_e^T @ (s * A)_e              M = D, N = F, K = rows of e
 
 For the M-tiled kernels (``gate_up``, ``down``, ``dh``, ``dx``) ``block_m`` is the row-tile of the
@@ -37,6 +37,9 @@ class TileConfig:
     num_stages: int = 3
     # dh only: 2 runs its SwiGLU-backward epilogue one column half at a time (fewer live registers).
     epilogue_split: int = 1
+    # M-tiled kernels only: p > 0 launches p programs per SM that loop over the tiles, with the tile
+    # loop flattened so the next tile's loads overlap this tile's epilogue; 0 = one program per tile.
+    persistent: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,19 +52,29 @@ class MegaMoEConfigs:
     dw2: TileConfig
     # True: dW2 rebuilds s * A from H in its loads (no N x F buffer in the backward, slower).
     dw2_from_h: bool = False
+    # Weight gradients: "triton" = the K-grouped kernels above, gathering x and dy rows in their
+    # loads; "grouped_mm" = torch._grouped_mm (cuBLAS) on expert-sorted copies of x and dy made in
+    # the backward (2 x N x D transient memory, freed before it returns; nothing more is saved for
+    # backward). Only for bf16 on CUDA (and CPU tests); otherwise the Triton kernels run.
+    wgrad: str = "triton"
 
 
-# Best of the sweep in bench/mega_moe_gpu.py on one H200 (torch 2.11, triton 3.6); the same configs
+# Best of the sweeps in bench/mega_moe_gpu.py on one H200 (torch 2.11, triton 3.6); the same configs
 # won (or were within 5%) at both target shapes. dh needs its epilogue split in column halves to
 # run a 128x128 tile without spilling (1.9 -> 1.3 ms at 30B); four operand tiles per pipeline
-# stage (dx) need block_k 32 to fit 3 stages in the 227 KiB of shared memory.
+# stage (dx) need block_k 32 to fit 3 stages in the 227 KiB of shared memory. Session 2 (BENCHMARKS
+# Run 4): a persistent grid helps only the down GEMM (0.86 vs 1.02 ms alone at 30B; the flattened
+# tile loop made gate_up, dh and dx slower, dh 2.6x), and cuBLAS grouped GEMMs on expert-sorted
+# copies beat the Triton weight-gradient kernels (whole op 10.08 -> 9.11 ms at 30B, 36.4 -> 31.3
+# at 235B); dw13/dw2 tiles are kept for fp32 and for wgrad="triton".
 _GPU_DEFAULT = MegaMoEConfigs(
     gate_up=TileConfig(128, 128, 64, 8, 4),
-    down=TileConfig(128, 256, 64, 8, 4),
+    down=TileConfig(128, 256, 64, 8, 4, persistent=1),
     dh=TileConfig(128, 128, 64, 8, 4, epilogue_split=2),
     dx=TileConfig(128, 256, 32, 8, 3),
-    dw13=TileConfig(128, 64, 64, 8, 3),
+    dw13=TileConfig(128, 128, 64, 8, 4),
     dw2=TileConfig(128, 128, 64, 8, 3),
+    wgrad="grouped_mm",
 )
 
 # Keyed on (D, F, E). Entries for the two target shapes; any other shape gets _GPU_DEFAULT.
@@ -74,9 +87,11 @@ _GPU_TABLE: dict[tuple[int, int, int], MegaMoEConfigs] = {
 # tiny test shapes (D 32 or 40, F 48), exercise partial tiles in every dimension, the masked K loop
 # included.
 _INTERPRET_DEFAULT = MegaMoEConfigs(
-    gate_up=TileConfig(16, 32, 32, 4, 1),
+    # Persistent loops in two of the four M-tiled kernels, one-program-per-tile in the others: the
+    # tests cover both launch modes.
+    gate_up=TileConfig(16, 32, 32, 4, 1, persistent=1),
     down=TileConfig(16, 32, 32, 4, 1),
-    dh=TileConfig(16, 32, 32, 4, 1, epilogue_split=2),
+    dh=TileConfig(16, 32, 32, 4, 1, epilogue_split=2, persistent=1),
     dx=TileConfig(16, 32, 32, 4, 1),
     dw13=TileConfig(32, 32, 16, 4, 1),
     dw2=TileConfig(32, 32, 16, 4, 1),

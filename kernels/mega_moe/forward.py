@@ -17,7 +17,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.mega_moe.common import launch_flags, launch_options, mma, sum_over_k, tile_rows, valid_slots
+from kernels.mega_moe.common import (
+    launch_flags,
+    launch_options,
+    m_tiled_launch,
+    mma,
+    num_work,
+    sum_over_k,
+    tile_rows,
+    valid_slots,
+)
 from kernels.mega_moe.configs import MegaMoEConfigs, TileConfig
 from kernels.mega_moe.routing import max_tiles, sort_by_expert, tile_table
 
@@ -40,59 +49,59 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    NUM_PROGS,
+    PERSISTENT: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
     num_n = tl.cdiv(F, BLOCK_N)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
-    expert, rows, rmask, _ = tile_rows(table_ptr, offsets_ptr, num_tiles, pid_m, BLOCK_M)
-    if expert < 0:
-        return
+    for work in tl.range(tl.program_id(0), num_work(table_ptr, num_tiles, num_n), NUM_PROGS, flatten=PERSISTENT):
+        pid_m = work // num_n
+        pid_n = work % num_n
+        expert, rows, rmask, _ = tile_rows(table_ptr, offsets_ptr, num_tiles, pid_m, BLOCK_M)
 
-    # Rows past the expert's end read token 0 (a valid row) and are dropped at the store, so the
-    # K loop needs no row mask.
-    slot = tl.load(sorted_slot_ptr + rows, mask=rmask, other=0)
-    tok = (slot // K_TOP).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_n_ld = offs_n % F  # same trick for columns past F
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + tok[:, None] * D + offs_k[None, :]
-    w_off = expert.to(tl.int64) * F * D + offs_n_ld[None, :] * D + offs_k[:, None]  # (BK, BN)
-    w1_ptrs = w1_ptr + w_off
-    w3_ptrs = w3_ptr + w_off
+        # Rows past the expert's end read token 0 (a valid row) and are dropped at the store, so the
+        # K loop needs no row mask.
+        slot = tl.load(sorted_slot_ptr + rows, mask=rmask, other=0)
+        tok = (slot // K_TOP).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n_ld = offs_n % F  # same trick for columns past F
+        offs_k = tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + tok[:, None] * D + offs_k[None, :]
+        w_off = expert.to(tl.int64) * F * D + offs_n_ld[None, :] * D + offs_k[:, None]  # (BK, BN)
+        w1_ptrs = w1_ptr + w_off
+        w3_ptrs = w3_ptr + w_off
 
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(x_ptrs)
-            b1 = tl.load(w1_ptrs)
-            b3 = tl.load(w3_ptrs)
-        else:
-            kmask = offs_k + k0 < D
-            a = tl.load(x_ptrs, mask=kmask[None, :], other=0.0)
-            b1 = tl.load(w1_ptrs, mask=kmask[:, None], other=0.0)
-            b3 = tl.load(w3_ptrs, mask=kmask[:, None], other=0.0)
-        acc_g = mma(a, b1, acc_g, UPCAST, IEEE)
-        acc_u = mma(a, b3, acc_u, UPCAST, IEEE)
-        x_ptrs += BLOCK_K
-        w1_ptrs += BLOCK_K
-        w3_ptrs += BLOCK_K
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(x_ptrs)
+                b1 = tl.load(w1_ptrs)
+                b3 = tl.load(w3_ptrs)
+            else:
+                kmask = offs_k + k0 < D
+                a = tl.load(x_ptrs, mask=kmask[None, :], other=0.0)
+                b1 = tl.load(w1_ptrs, mask=kmask[:, None], other=0.0)
+                b3 = tl.load(w3_ptrs, mask=kmask[:, None], other=0.0)
+            acc_g = mma(a, b1, acc_g, UPCAST, IEEE)
+            acc_u = mma(a, b3, acc_u, UPCAST, IEEE)
+            x_ptrs += BLOCK_K
+            w1_ptrs += BLOCK_K
+            w3_ptrs += BLOCK_K
 
-    dtype = h_ptr.dtype.element_ty
-    gate = acc_g.to(dtype)
-    up = acc_u.to(dtype)
-    rows64 = rows.to(tl.int64)
-    smask = rmask[:, None] & (offs_n < F)[None, :]
-    h_ptrs = h_ptr + rows64[:, None] * (2 * F) + offs_n[None, :]
-    tl.store(h_ptrs, gate, mask=smask)
-    tl.store(h_ptrs + F, up, mask=smask)
-    # A from the rounded gate/up, exactly what the backward recomputes from H.
-    g = gate.to(tl.float32)
-    act = g * tl.sigmoid(g) * up.to(tl.float32)
-    tl.store(a_ptr + rows64[:, None] * F + offs_n[None, :], act.to(dtype), mask=smask)
+        dtype = h_ptr.dtype.element_ty
+        gate = acc_g.to(dtype)
+        up = acc_u.to(dtype)
+        rows64 = rows.to(tl.int64)
+        smask = rmask[:, None] & (offs_n < F)[None, :]
+        h_ptrs = h_ptr + rows64[:, None] * (2 * F) + offs_n[None, :]
+        tl.store(h_ptrs, gate, mask=smask)
+        tl.store(h_ptrs + F, up, mask=smask)
+        # A from the rounded gate/up, exactly what the backward recomputes from H.
+        g = gate.to(tl.float32)
+        act = g * tl.sigmoid(g) * up.to(tl.float32)
+        tl.store(a_ptr + rows64[:, None] * F + offs_n[None, :], act.to(dtype), mask=smask)
 
 
 @triton.jit
@@ -111,42 +120,42 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    NUM_PROGS,
+    PERSISTENT: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
     num_n = tl.cdiv(D, BLOCK_N)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
-    expert, rows, rmask, safe_rows = tile_rows(table_ptr, offsets_ptr, num_tiles, pid_m, BLOCK_M)
-    if expert < 0:
-        return
+    for work in tl.range(tl.program_id(0), num_work(table_ptr, num_tiles, num_n), NUM_PROGS, flatten=PERSISTENT):
+        pid_m = work // num_n
+        pid_n = work % num_n
+        expert, rows, rmask, safe_rows = tile_rows(table_ptr, offsets_ptr, num_tiles, pid_m, BLOCK_M)
 
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_n_ld = offs_n % D
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + safe_rows.to(tl.int64)[:, None] * F + offs_k[None, :]
-    w_ptrs = w2_ptr + expert.to(tl.int64) * D * F + offs_n_ld[None, :] * F + offs_k[:, None]
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n_ld = offs_n % D
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + safe_rows.to(tl.int64)[:, None] * F + offs_k[None, :]
+        w_ptrs = w2_ptr + expert.to(tl.int64) * D * F + offs_n_ld[None, :] * F + offs_k[:, None]
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, F, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(w_ptrs)
-        else:
-            kmask = offs_k + k0 < F
-            a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
-            b = tl.load(w_ptrs, mask=kmask[:, None], other=0.0)
-        acc = mma(a, b, acc, UPCAST, IEEE)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, F, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(w_ptrs)
+            else:
+                kmask = offs_k + k0 < F
+                a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+                b = tl.load(w_ptrs, mask=kmask[:, None], other=0.0)
+            acc = mma(a, b, acc, UPCAST, IEEE)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
 
-    slot = tl.load(sorted_slot_ptr + rows, mask=rmask, other=0)
-    s = tl.load(s_ptr + slot, mask=rmask, other=0.0)
-    out = acc * s[:, None]
-    smask = rmask[:, None] & (offs_n < D)[None, :]
-    y_ptrs = ybuf_ptr + slot.to(tl.int64)[:, None] * D + offs_n[None, :]
-    tl.store(y_ptrs, out.to(ybuf_ptr.dtype.element_ty), mask=smask)
+        slot = tl.load(sorted_slot_ptr + rows, mask=rmask, other=0)
+        s = tl.load(s_ptr + slot, mask=rmask, other=0.0)
+        out = acc * s[:, None]
+        smask = rmask[:, None] & (offs_n < D)[None, :]
+        y_ptrs = ybuf_ptr + slot.to(tl.int64)[:, None] * D + offs_n[None, :]
+        tl.store(y_ptrs, out.to(ybuf_ptr.dtype.element_ty), mask=smask)
 
 
 def gate_up(
@@ -173,11 +182,12 @@ def gate_up(
     if tiles is None:
         tiles = tile_table(offsets_E1, N, cfg.block_m)
     n_tiles = max_tiles(N, E, cfg.block_m)
-    _gate_up_kernel[(n_tiles * triton.cdiv(F, cfg.block_n),)](
+    grid, loop = m_tiled_launch(n_tiles, triton.cdiv(F, cfg.block_n), cfg, x_TD.device)
+    _gate_up_kernel[grid](
         x_TD, w1_EFD, w3_EFD, h_N2F, a_NF, sorted_slot_N, offsets_E1, tiles,
         n_tiles, top_k, D, F,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=D % cfg.block_k == 0,
-        **launch_flags(x_TD.dtype), **launch_options(cfg),
+        **launch_flags(x_TD.dtype), **launch_options(cfg), **loop,
     )  # fmt: skip
     return h_N2F, a_NF
 
@@ -202,11 +212,12 @@ def down(
     if tiles is None:
         tiles = tile_table(offsets_E1, N, cfg.block_m)
     n_tiles = max_tiles(N, E, cfg.block_m)
-    _down_kernel[(n_tiles * triton.cdiv(D, cfg.block_n),)](
+    grid, loop = m_tiled_launch(n_tiles, triton.cdiv(D, cfg.block_n), cfg, a_NF.device)
+    _down_kernel[grid](
         a_NF, w2_EDF, topk_weights_TK, ybuf_ND, sorted_slot_N, offsets_E1, tiles,
         n_tiles, D, F,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=F % cfg.block_k == 0,
-        **launch_flags(a_NF.dtype), **launch_options(cfg),
+        **launch_flags(a_NF.dtype), **launch_options(cfg), **loop,
     )  # fmt: skip
     return ybuf_ND
 

@@ -40,6 +40,11 @@ def sort_by_expert(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.T
     return sorted_slot_N.to(torch.int32), offsets_E1.to(torch.int32)
 
 
+def num_real_tiles(table: torch.Tensor) -> torch.Tensor:
+    """The count stored after a :func:`tile_table` (a 1-element view; tests and debugging)."""
+    return table.view(-1).as_strided((1,), (1,), table.storage_offset() + table.numel())
+
+
 def max_tiles(num_rows: int, num_experts: int, block_m: int) -> int:
     """Static bound on the M-tiles: sum_e ceil(c_e / BM) <= N // BM + E for any counts c_e."""
     return num_rows // block_m + num_experts
@@ -75,6 +80,9 @@ def _tile_table_kernel(
     tmask = t < num_tiles
     tl.store(table_ptr + t, tl.where(valid, expert, -1), mask=tmask)
     tl.store(table_ptr + num_tiles + t, tl.where(valid, row, 0), mask=tmask)
+    if tl.program_id(0) == 0:
+        # The number of real tiles, after the table: the GEMMs loop over exactly these.
+        tl.store(table_ptr + 2 * num_tiles, tl.sum(tiles, axis=0))
 
 
 def tile_table(offsets_E1: torch.Tensor, num_rows: int, block_m: int) -> torch.Tensor:
@@ -89,14 +97,18 @@ def tile_table(offsets_E1: torch.Tensor, num_rows: int, block_m: int) -> torch.T
         (2, N // block_m + E) int32. Column i is tile i: ``[0, i]`` its expert (-1 for surplus
         tiles, whose programs exit at once) and ``[1, i]`` its first row; the tile covers rows
         ``[1, i] : min([1, i] + block_m, offsets_E1[e + 1])``. Tiles are ordered by expert.
+        The storage holds one more int32 right after the table, the number of real tiles, which the
+        GEMM kernels read at ``table_ptr + 2 * num_tiles`` (so a persistent grid loops over real
+        tiles only, with no host sync).
     """
     num_experts = offsets_E1.numel() - 1
     num_tiles = max_tiles(num_rows, num_experts, block_m)
-    table = torch.empty((2, num_tiles), device=offsets_E1.device, dtype=torch.int32)
+    storage = torch.empty(2 * num_tiles + 1, device=offsets_E1.device, dtype=torch.int32)
+    table = storage[: 2 * num_tiles].view(2, num_tiles)
     block_t = 32
     _tile_table_kernel[(triton.cdiv(num_tiles, block_t),)](
         offsets_E1,
-        table,
+        storage,
         num_experts,
         num_tiles,
         BLOCK_M=block_m,
