@@ -199,13 +199,16 @@ def sweep_kernels(inputs, iters, flop_unit):
 
 def config_variant(name: str, D: int, F: int, E: int) -> MegaMoEConfigs:
     """The default configs with named changes, '+'-joined: wgrad_gmm (weight gradients through
-    torch._grouped_mm), wgrad_triton, down_persistent / down_plain (persistent grid or not)."""
+    torch._grouped_mm), wgrad_triton, dh_gmm / dh_triton (dA' by torch._grouped_mm + an elementwise
+    SwiGLU backward, or the fused dh kernel), down_persistent / down_plain (persistent grid or not)."""
     configs = get_configs(D, F, E)
     for part in name.split("+"):
         if part == "default":
             continue
         elif part in ("wgrad_gmm", "wgrad_triton"):
             configs = dataclasses.replace(configs, wgrad="grouped_mm" if part == "wgrad_gmm" else "triton")
+        elif part in ("dh_gmm", "dh_triton"):
+            configs = dataclasses.replace(configs, dh_gemm="grouped_mm" if part == "dh_gmm" else "triton")
         elif part in ("down_persistent", "down_plain"):
             down = dataclasses.replace(configs.down, persistent=int(part == "down_persistent"))
             configs = dataclasses.replace(configs, down=down)

@@ -53,6 +53,9 @@ def _routing(T, K, E, kind, device=DEVICE):
         ids = 1 + torch.rand(T, E - 2, device=device).argsort(dim=1)[:, :K]
     elif kind == "one_expert":  # every slot goes to one expert (ids may repeat within a token)
         ids = torch.full((T, K), E // 2, device=device, dtype=torch.int64)
+    elif kind == "empty_slots":  # expert parallelism's padding: some slots are -1
+        ids = torch.rand(T, E, device=device).argsort(dim=1)[:, :K]
+        ids = torch.where(torch.rand(T, K, device=device) < 0.3, -1, ids)
     else:
         raise ValueError(kind)
     weights = torch.randn(T, K, device=device).softmax(dim=-1)
@@ -94,7 +97,7 @@ def _check_against_reference(T, K, E, D, F, kind, dtype, rtol, seed):
         assert _rel(g, g_ref) < rtol, f"d{name}: rel err {_rel(g, g_ref):.2e}; {msg}"
 
     # Experts that receive no rows get exactly zero weight gradients.
-    counts = torch.bincount(ids.flatten(), minlength=E)
+    counts = torch.bincount(ids[ids >= 0].flatten(), minlength=E)
     for e in torch.nonzero(counts == 0).flatten().tolist():
         for name, g in zip(("w1", "w3", "w2"), grads[2:]):
             assert (g[e] == 0).all(), f"d{name}[{e}] of an empty expert is not zero; {msg}"
@@ -162,12 +165,15 @@ def test_dh_epilogue_split(split):
         _check_against_reference(T, K, E, D, F, "random", dtype, tol, _seed())
 
 
-@pytest.mark.parametrize("kind", ["random", "empty_expert", "one_expert"])
-def test_wgrad_grouped_mm(kind):
-    """Weight gradients through torch._grouped_mm on expert-sorted copies (MegaMoEConfigs.wgrad)."""
+@pytest.mark.parametrize("wgrad,dh_gemm", [("grouped_mm", "triton"), ("triton", "grouped_mm"),
+                                            ("grouped_mm", "grouped_mm")])
+@pytest.mark.parametrize("kind", ["random", "empty_expert", "one_expert", "empty_slots"])
+def test_grouped_mm_paths(kind, wgrad, dh_gemm):
+    """Weight gradients and/or dA' through torch._grouped_mm on the expert-sorted dy and x copies
+    (MegaMoEConfigs.wgrad, .dh_gemm), the SwiGLU backward then as its own kernel."""
     T, K, E, D, F = (33, 2, 4, 32, 48) if not _HAS_CUDA else (1000, 8, 16, 256, 384)
     dtype, tol = (torch.float32, 1e-5) if not _HAS_CUDA else (torch.bfloat16, 2e-2)
-    configs = dataclasses.replace(get_configs(D, F, E, dtype), wgrad="grouped_mm")
+    configs = dataclasses.replace(get_configs(D, F, E, dtype), wgrad=wgrad, dh_gemm=dh_gemm)
     with override_configs(configs):
         _check_against_reference(T, K, E, D, F, kind, dtype, tol, _seed())
 

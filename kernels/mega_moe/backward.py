@@ -40,7 +40,7 @@ from kernels.mega_moe.common import (
     tile_rows,
     valid_slots,
 )
-from kernels.mega_moe.configs import MegaMoEConfigs, TileConfig
+from kernels.mega_moe.configs import MegaMoEConfigs, TileConfig, interpreting
 from kernels.mega_moe.routing import max_tiles, tile_table
 
 
@@ -138,6 +138,37 @@ def _dh_epilogue(acc, rows64, rmask, s, offs_n, h_ptr, dh_ptr, sa_ptr, F, STORE_
         sa = (silu * u).to(dtype).to(tl.float32) * s[:, None]
         tl.store(sa_ptr + rows64[:, None] * F + offs_n[None, :], sa.to(dtype), mask=smask)
     return ds_part
+
+
+@triton.jit
+def _swiglu_bwd_kernel(
+    da_ptr,  # (N, F) dA' rows in expert order (from a cuBLAS grouped GEMM)
+    h_ptr,  # (N, 2F) [gate | up]
+    s_ptr,  # (N,) fp32 by slot
+    dh_ptr,  # (N, 2F) out
+    sa_ptr,  # (N, F) out
+    ds_ptr,  # (N,) fp32 out by slot (zero-initialised: empty slots keep 0)
+    sorted_slot_ptr,
+    offsets_ptr,
+    E,
+    F,
+    BLOCK_R: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
+    """The dh kernel's epilogue on its own, for dA' computed elsewhere; ds needs no partials since
+    each program sees whole rows."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < tl.load(offsets_ptr + E)  # rows past the last expert (empty slots) are undefined
+    slot = tl.load(sorted_slot_ptr + rows, mask=rmask, other=0)
+    s = tl.load(s_ptr + slot, mask=rmask, other=0.0)
+    rows64 = rows.to(tl.int64)
+    ds = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for f0 in range(0, F, BLOCK_F):
+        offs_f = f0 + tl.arange(0, BLOCK_F)
+        da_mask = rmask[:, None] & (offs_f < F)[None, :]
+        da = tl.load(da_ptr + rows64[:, None] * F + offs_f[None, :], mask=da_mask, other=0.0).to(tl.float32)
+        ds += _dh_epilogue(da, rows64, rmask, s, offs_f, h_ptr, dh_ptr, sa_ptr, F, True)
+    tl.store(ds_ptr + slot, ds, mask=rmask)
 
 
 @triton.jit
@@ -457,11 +488,20 @@ def moe_backward(
     T, K = topk_weights_TK.shape
     E = w1_EFD.shape[0]
     N = T * K
+    gmm_wgrad = use_grouped_mm(configs.wgrad, "wgrad", x_TD) and not configs.dw2_from_h
+    gmm_dh = use_grouped_mm(configs.dh_gemm, "dh_gemm", x_TD)
+    tok_N = (sorted_slot_N // K).long()
+    # dy rows in expert order, for cuBLAS (which takes no row index); rows of empty slots (past
+    # offsets_E1[E]) belong to no group.
+    dys_ND = dy_TD.index_select(0, tok_N) if gmm_wgrad or gmm_dh else None
     tiles = tile_table(offsets_E1, N, configs.dh.block_m)
-    dh_N2F, ds_TK, sa_NF = dh(
-        dy_TD, w2_EDF, h_N2F, topk_weights_TK, sorted_slot_N, offsets_E1, configs.dh, tiles,
-        store_sa=not configs.dw2_from_h,
-    )  # fmt: skip
+    if gmm_dh:
+        dh_N2F, ds_TK, sa_NF = dh_grouped_mm(dys_ND, w2_EDF, h_N2F, topk_weights_TK, sorted_slot_N, offsets_E1)
+    else:
+        dh_N2F, ds_TK, sa_NF = dh(
+            dy_TD, w2_EDF, h_N2F, topk_weights_TK, sorted_slot_N, offsets_E1, configs.dh, tiles,
+            store_sa=not configs.dw2_from_h,
+        )  # fmt: skip
     if configs.dx.block_m != configs.dh.block_m:
         tiles = None
     dxbuf_ND = dx_slots(dh_N2F, w1_EFD, w3_EFD, sorted_slot_N, offsets_E1, configs.dx, tiles)
@@ -470,23 +510,66 @@ def moe_backward(
     dx_TD = sum_over_k(dxbuf_ND, T, K, valid_N)
     del dxbuf_ND
     ds_TK = torch.where(valid_N.view(T, K) != 0, ds_TK, 0.0)
-    if use_grouped_mm_wgrad(configs, x_TD) and sa_NF is not None:
-        dw1_EFD, dw3_EFD, dw2_EDF = wgrad_grouped_mm(x_TD, dy_TD, dh_N2F, sa_NF, sorted_slot_N, offsets_E1, K)
+    if gmm_wgrad:
+        ends_E = offsets_E1[1:]
+        dw2_EDF = _k_grouped_mm(dys_ND.t(), sa_NF, ends_E)
+        del dys_ND, sa_NF
+        F = h_N2F.shape[1] // 2
+        xs_ND = x_TD.index_select(0, tok_N)
+        dw1_EFD = _k_grouped_mm(dh_N2F[:, :F].t(), xs_ND, ends_E)
+        dw3_EFD = _k_grouped_mm(dh_N2F[:, F:].t(), xs_ND, ends_E)
         return dx_TD, dw1_EFD, dw3_EFD, dw2_EDF, ds_TK
+    del dys_ND
     dw1_EFD, dw3_EFD = dw13(x_TD, dh_N2F, sorted_slot_N, offsets_E1, E, K, configs.dw13)
     del dh_N2F
     dw2_EDF = dw2(dy_TD, h_N2F, topk_weights_TK, sa_NF, sorted_slot_N, offsets_E1, E, configs.dw2)
     return dx_TD, dw1_EFD, dw3_EFD, dw2_EDF, ds_TK
 
 
-def use_grouped_mm_wgrad(configs: MegaMoEConfigs, x_TD: torch.Tensor) -> bool:
-    """``configs.wgrad == "grouped_mm"`` where ``torch._grouped_mm`` has a kernel for x's dtype."""
-    if configs.wgrad == "triton":
+def dh_grouped_mm(
+    dys_ND: torch.Tensor,
+    w2_EDF: torch.Tensor,
+    h_N2F: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    sorted_slot_N: torch.Tensor,
+    offsets_E1: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What :func:`dh` returns, with dA' = dy_sorted @ w2[e] by cuBLAS and the SwiGLU backward as
+    a separate elementwise pass (:func:`_swiglu_bwd_kernel`)."""
+    N, F = h_N2F.shape[0], h_N2F.shape[1] // 2
+    E = w2_EDF.shape[0]
+    T, K = topk_weights_TK.shape
+    da_NF = _row_grouped_mm(dys_ND, w2_EDF, offsets_E1[1:])
+    dh_N2F = torch.empty_like(h_N2F)
+    sa_NF = torch.empty((N, F), device=h_N2F.device, dtype=h_N2F.dtype)
+    ds_N = torch.zeros(N, device=h_N2F.device, dtype=torch.float32)
+    block_r, block_f = (16, 32) if interpreting() else (16, 128)
+    _swiglu_bwd_kernel[(triton.cdiv(N, block_r),)](
+        da_NF, h_N2F, topk_weights_TK, dh_N2F, sa_NF, ds_N, sorted_slot_N, offsets_E1, E, F,
+        BLOCK_R=block_r, BLOCK_F=block_f, num_warps=4,
+    )  # fmt: skip
+    return dh_N2F, ds_N.view(T, K), sa_NF
+
+
+def use_grouped_mm(choice: str, name: str, x_TD: torch.Tensor) -> bool:
+    """``choice == "grouped_mm"`` where ``torch._grouped_mm`` has a kernel for x's dtype."""
+    if choice == "triton":
         return False
-    if configs.wgrad != "grouped_mm":
-        raise ValueError(f"MegaMoEConfigs.wgrad must be 'triton' or 'grouped_mm', got {configs.wgrad!r}")
+    if choice != "grouped_mm":
+        raise ValueError(f"MegaMoEConfigs.{name} must be 'triton' or 'grouped_mm', got {choice!r}")
     # On CPU (interpreter tests) a loop over the experts stands in for the cuBLAS kernel.
     return not x_TD.is_cuda or x_TD.dtype == torch.bfloat16
+
+
+def _row_grouped_mm(a_ND: torch.Tensor, b_EDF: torch.Tensor, ends_E: torch.Tensor) -> torch.Tensor:
+    """out[rows of e] = a[rows of e] @ b[e]: (N, F); rows past ends[-1] are left undefined."""
+    if a_ND.is_cuda:
+        return torch._grouped_mm(a_ND, b_EDF, offs=ends_E)
+    ends = ends_E.tolist()
+    out = torch.zeros((a_ND.shape[0], b_EDF.shape[2]), dtype=a_ND.dtype)
+    for e, (s, t) in enumerate(zip([0] + ends[:-1], ends)):
+        out[s:t] = a_ND[s:t] @ b_EDF[e]
+    return out
 
 
 def _k_grouped_mm(a_MN: torch.Tensor, b_NK: torch.Tensor, ends_E: torch.Tensor) -> torch.Tensor:
@@ -495,29 +578,3 @@ def _k_grouped_mm(a_MN: torch.Tensor, b_NK: torch.Tensor, ends_E: torch.Tensor) 
         return torch._grouped_mm(a_MN, b_NK, offs=ends_E)
     ends = ends_E.tolist()
     return torch.stack([a_MN[:, s:e] @ b_NK[s:e] for s, e in zip([0] + ends[:-1], ends)])
-
-
-def wgrad_grouped_mm(
-    x_TD: torch.Tensor,
-    dy_TD: torch.Tensor,
-    dh_N2F: torch.Tensor,
-    sa_NF: torch.Tensor,
-    sorted_slot_N: torch.Tensor,
-    offsets_E1: torch.Tensor,
-    top_k: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dW1, dW3, dW2 as K-grouped ``torch._grouped_mm`` over expert-sorted rows.
-
-    The gathered operands are materialised here (x and dy rows in expert order, N x D each) because
-    cuBLAS takes no row index; rows of empty slots (past offsets_E1[E]) belong to no group.
-    """
-    ends_E = offsets_E1[1:]
-    tok_N = (sorted_slot_N // top_k).long()
-    F = sa_NF.shape[1]
-    xs_ND = x_TD.index_select(0, tok_N)
-    dw1_EFD = _k_grouped_mm(dh_N2F[:, :F].t(), xs_ND, ends_E)
-    dw3_EFD = _k_grouped_mm(dh_N2F[:, F:].t(), xs_ND, ends_E)
-    del xs_ND
-    dys_ND = dy_TD.index_select(0, tok_N)
-    dw2_EDF = _k_grouped_mm(dys_ND.t(), sa_NF, ends_E)
-    return dw1_EFD, dw3_EFD, dw2_EDF

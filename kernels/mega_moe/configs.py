@@ -57,6 +57,11 @@ class MegaMoEConfigs:
     # the backward (2 x N x D transient memory, freed before it returns; nothing more is saved for
     # backward). Only for bf16 on CUDA (and CPU tests); otherwise the Triton kernels run.
     wgrad: str = "triton"
+    # dA' = dy_e @ w2[e] of the dh step: "triton" = the dh kernel (dy rows gathered in its loads,
+    # SwiGLU backward in its epilogue); "grouped_mm" = torch._grouped_mm on the expert-sorted dy
+    # copy (made for the weight gradients anyway) followed by the same SwiGLU backward as a separate
+    # elementwise kernel. bf16 on CUDA (and CPU tests) only, like ``wgrad``.
+    dh_gemm: str = "triton"
 
 
 # Best of the sweeps in bench/mega_moe_gpu.py on one H200 (torch 2.11, triton 3.6); the same configs
@@ -66,7 +71,9 @@ class MegaMoEConfigs:
 # Run 4): a persistent grid helps only the down GEMM (0.86 vs 1.02 ms alone at 30B; the flattened
 # tile loop made gate_up, dh and dx slower, dh 2.6x), and cuBLAS grouped GEMMs on expert-sorted
 # copies beat the Triton weight-gradient kernels (whole op 10.08 -> 9.11 ms at 30B, 36.4 -> 31.3
-# at 235B); dw13/dw2 tiles are kept for fp32 and for wgrad="triton".
+# at 235B); dw13/dw2 tiles are kept for fp32 and for wgrad="triton". dA' by cuBLAS on the same
+# sorted dy copy plus an elementwise SwiGLU backward beats the fused dh kernel (Run 7: 9.08 -> 8.75
+# ms at 30B, 31.3 -> 30.5 ms at 235B); the dh tiles stay for fp32 and dh_gemm="triton".
 _GPU_DEFAULT = MegaMoEConfigs(
     gate_up=TileConfig(128, 128, 64, 8, 4),
     down=TileConfig(128, 256, 64, 8, 4, persistent=1),
@@ -75,6 +82,7 @@ _GPU_DEFAULT = MegaMoEConfigs(
     dw13=TileConfig(128, 128, 64, 8, 4),
     dw2=TileConfig(128, 128, 64, 8, 3),
     wgrad="grouped_mm",
+    dh_gemm="grouped_mm",
 )
 
 # Keyed on (D, F, E). Entries for the two target shapes; any other shape gets _GPU_DEFAULT.
