@@ -9,8 +9,7 @@ With g, u the gate/up halves of H (saved by the forward, expert-sorted rows r, s
     [dW1[e]; dW3[e]] = [dgate | dup]_e^T @ x_e                    (_dw13_kernel, one GEMM over 2F)
     dW2[e] = dy_e^T @ (s * silu(g) * u)_e                          (_dw2_kernel)
 
-dy and x rows are gathered by token index inside the loads, so nothing of N x D is saved or
-gathered. s * A for dW2 is written by the dH epilogue (an N x F buffer alive only during the
+In these Triton kernels dy and x rows are gathered by token index inside the loads. s * A for dW2 is written by the dH epilogue (an N x F buffer alive only during the
 backward): rebuilding it from H inside the dW2 load (``MegaMoEConfigs.dw2_from_h``) recomputes the
 SwiGLU once per D-tile, which made dW2 2.3x slower on the H200 (2.8 ms vs 1.2 ms at 30B).
 
@@ -20,7 +19,11 @@ stores exact zeros. On the H200 they reach only ~330 TFLOP/s (short K loops of ~
 expert), so for bf16 the default (``MegaMoEConfigs.wgrad = "grouped_mm"``) computes the weight
 gradients with cuBLAS's K-grouped ``torch._grouped_mm`` instead, on x and dy rows copied into expert
 order inside the backward (transient, 0.5 GB each at the 30B shape; nothing more is saved for
-backward): 1.3-1.5 ms faster per layer at 30B, 5 ms at 235B (BENCHMARKS Run 4).
+backward): 1.0 ms faster per layer at 30B, 5 ms at 235B (BENCHMARKS Run 6). The same sorted dy copy
+then also feeds dA' = dy_e @ w2[e] through cuBLAS (``MegaMoEConfigs.dh_gemm = "grouped_mm"``), with
+the dh kernel's SwiGLU-backward epilogue run as its own elementwise kernel
+(:func:`_swiglu_bwd_kernel`): 0.3-0.5 ms faster at 30B, 1 ms at 235B (Run 7). The fused Triton
+kernels remain the fp32 path and the ``"triton"`` choices.
 Every sum has a fixed order (no float atomics), so the backward is deterministic.
 """
 
