@@ -4,6 +4,8 @@
 
 Prints time, TFLOP/s (GEMMs, counting only routed rows) and GB/s (quantization: bytes read +
 written). The GEMM block sizes are untuned first guesses (see grouped_gemm._block_sizes).
+Then :func:`time_moe_ops`: the whole ``mega_fp8`` op (forward, forward + backward) next to the bf16
+``mega`` op on the same inputs, with their ratio.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import torch
 import triton
 
+from bench.timing import time_ms
+from kernels import get_moe_backend
 from kernels.fp8 import grouped_gemm as G
 from kernels.fp8 import quant as Q
 from kernels.mega_moe.routing import sort_by_expert, tile_table
@@ -62,5 +66,51 @@ def main(T: int = 16384, top_k: int = 8, E: int = 128) -> None:
         print("\n".join(rows), flush=True)
 
 
+
+def _moe_inputs(T, D, F, E, top_k, device):
+    """bf16 tokens and weights (std 1/sqrt(fan-in)), softmax top-k routing renormalised, bf16 dy."""
+    x = torch.randn(T, D, device=device, dtype=torch.bfloat16)
+    probs = torch.randn(T, E, device=device).softmax(dim=-1)
+    s, ids = probs.topk(top_k, dim=-1)
+    s = s / s.sum(dim=-1, keepdim=True)
+    ws = [(torch.randn(E, a, b, device=device) / b**0.5).to(torch.bfloat16) for a, b in ((F, D), (F, D), (D, F))]
+    return x, ids, s, *ws, torch.randn(T, D, device=device, dtype=torch.bfloat16)
+
+
+def time_moe_ops(T=16384, top_k=8, E=128, shapes=SHAPES, iters=20, device="cuda", timer=None) -> list[str]:
+    """Median ms of the whole MoE op, forward and forward + backward, ``mega_fp8`` vs bf16 ``mega``.
+
+    ``timer(fn, iters)`` returns ms (default: CUDA events, :func:`bench.timing.time_ms`); the tests run
+    this at a tiny size on CPU with a wall clock to exercise the code paths.
+    """
+    timer = timer or time_ms
+    rows = []
+    for name, (D, F) in shapes.items():
+        x, ids, s, w1, w3, w2, dy = _moe_inputs(T, D, F, E, top_k, device)
+        leaves = [t.clone().requires_grad_() for t in (x, s, w1, w3, w2)]
+        flops = 2 * T * top_k * D * F * 3  # forward: gate, up, down
+        ms = {}
+        for backend in ("mega", "mega_fp8"):
+            fn = get_moe_backend(backend)
+
+            def fwd():
+                with torch.no_grad():
+                    fn(x, ids, s, w1, w3, w2)
+
+            def fwd_bwd():
+                torch.autograd.grad(fn(leaves[0], ids, *leaves[1:]), leaves, dy)
+
+            ms[backend] = (timer(fwd, iters), timer(fwd_bwd, iters))
+        (f16, fb16), (f8, fb8) = ms["mega"], ms["mega_fp8"]
+        rows.append(
+            f"{name:10s} T={T} top-{top_k} E={E}  fwd: mega {f16:7.3f} ms, mega_fp8 {f8:7.3f} ms "
+            f"({flops / f8 / 1e9:5.0f} TFLOP/s, {f16 / f8:4.2f}x)  fwd+bwd: mega {fb16:7.3f} ms, "
+            f"mega_fp8 {fb8:7.3f} ms ({3 * flops / fb8 / 1e9:5.0f} TFLOP/s, {fb16 / fb8:4.2f}x)"
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
 if __name__ == "__main__":
     main()
+    time_moe_ops()

@@ -141,7 +141,9 @@ class Quantize:
     moe: str = _field("none", "expert GEMM precision: fp8_blockwise (DeepSeek-V3 style block scales; backend "
                       "mega) or fp8_rowwise (TorchTitan's rowwise scaled grouped GEMM; backend grouped_mm)",
                       choices=("none", "fp8_blockwise", "fp8_rowwise"))
-    linear: str = _field("none", "dense linear precision (fp8_rowwise: not implemented yet)", choices=("none", "fp8_rowwise"))
+    linear: str = _field("none", "dense linear precision: fp8_rowwise runs the attention projections' three GEMMs "
+                         "in rowwise-scaled e4m3 (torch._scaled_mm); embedding, norms, router, output head stay "
+                         "bf16", choices=("none", "fp8_rowwise"))
 
 
 @dataclass

@@ -43,7 +43,9 @@ _BACKENDS: dict[str, MoEBackend] = {}
 _LAZY_MODULES: dict[str, str] = {
     "torch": "kernels.moe_reference",
     "grouped_mm": "kernels.grouped_mm",
+    "grouped_mm_fp8": "kernels.grouped_mm_fp8",  # [moe] backend = "grouped_mm" with [quantize] moe = "fp8_rowwise"
     "mega": "kernels.mega_moe",
+    "mega_fp8": "kernels.mega_moe_fp8",  # [moe] backend = "mega" with [quantize] moe = "fp8_blockwise"
     "torchtitan": "kernels.torchtitan_moe",  # upstream TorchTitan's own code: pip install ".[baseline]"
 }
 

@@ -18,8 +18,9 @@ from kernels import register_moe_backend
 
 
 def _probe_cpu_grouped_mm() -> bool:
-    try:
-        torch._grouped_mm(torch.ones(2, 2), torch.ones(1, 2, 2), offs=torch.tensor([2], dtype=torch.int32))
+    try:  # 8 bf16 columns: the CPU kernel wants 16-byte strides
+        a, b = torch.ones(8, 8, dtype=torch.bfloat16), torch.ones(1, 8, 8, dtype=torch.bfloat16)
+        torch._grouped_mm(a, b, offs=torch.tensor([8], dtype=torch.int32))
         return True
     except (RuntimeError, NotImplementedError, AttributeError):
         return False
@@ -29,19 +30,50 @@ def _probe_cpu_grouped_mm() -> bool:
 _CPU_HAS_GROUPED_MM = _probe_cpu_grouped_mm()
 
 
-def _grouped_mm(a_ND: torch.Tensor, b_EKM: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    """Rows [offs[e-1], offs[e]) of a times b[e]: (N, K) x (E, K, M) -> (N, M).
+def _aligned16(*tensors: torch.Tensor) -> bool:
+    return all(stride == 1 or stride * t.element_size() % 16 == 0 for t in tensors for stride in t.stride())
 
-    ``torch._grouped_mm`` where it runs: bf16 on CUDA, and CPU where this torch has a kernel.
-    Otherwise (float32 on CUDA, e.g. the debug config on a GPU; CPU on an older torch) a loop over
-    the experts that reads the offsets on the host: correct but slow, and not for ``fullgraph``
-    compile.
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm`` with offsets, in its two layouts.
+
+    (N, K) x (E, K, M) -> (N, M): rows [offs[e-1], offs[e]) of a times b[e].
+    (M, N) x (N, K) -> (E, M, K): columns [offs[e-1], offs[e]) of a times those rows of b (a
+    weight gradient: the groups split the reduction dim).
+
+    ``torch._grouped_mm`` where it runs: bf16 on CUDA, and bf16 on CPU where this torch has a
+    kernel and the strides are multiples of 16 bytes (its meta function, which torch.compile
+    traces with, accepts bf16 only). Otherwise (float32, e.g. the debug config; CPU on an older
+    torch) a loop over the experts that reads the offsets on the host: correct but slow.
     """
-    if (a_ND.is_cuda and a_ND.dtype == torch.bfloat16) or (not a_ND.is_cuda and _CPU_HAS_GROUPED_MM):
-        return torch._grouped_mm(a_ND, b_EKM, offs=offs_E)
+    if a.dtype == torch.bfloat16 and (a.is_cuda or (_CPU_HAS_GROUPED_MM and _aligned16(a, b))):
+        return torch._grouped_mm(a, b, offs=offs_E)
     ends = offs_E.tolist()
     starts = [0] + ends[:-1]
-    return torch.cat([a_ND[s:e] @ b_EKM[i] for i, (s, e) in enumerate(zip(starts, ends))])
+    if b.dim() == 2:
+        return torch.stack([a[:, s:e] @ b[s:e] for s, e in zip(starts, ends)])
+    return torch.cat([a[s:e] @ b[i] for i, (s, e) in enumerate(zip(starts, ends))])
+
+
+def sort_slots_by_expert(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert of each (token, k) slot N with empty slots (-1) as ``num_experts``, the slot order
+    sorted by that key, stable N): empty slots sort last."""
+    sort_key_N = topk_ids_TK.reshape(-1)
+    sort_key_N = torch.where(sort_key_N < 0, num_experts, sort_key_N)
+    return sort_key_N, torch.argsort(sort_key_N, stable=True)
+
+
+def combine(out_RD: torch.Tensor, row_of_slot_N: torch.Tensor, topk_ids_TK: torch.Tensor,
+            topk_weights_TK: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """y[t] = sum_k topk_weights[t, k] * out[row_of_slot[t*K + k]], in ``dtype``.
+
+    A gather back to (token, k) order, then a deterministic float32 weighted sum over k (no
+    scatter-add atomics). Empty slots (id -1) are masked, whatever row they point at.
+    """
+    T, K = topk_ids_TK.shape
+    out_TKD = out_RD[row_of_slot_N].view(T, K, -1).float()
+    out_TKD = torch.where((topk_ids_TK >= 0).unsqueeze(-1), out_TKD, 0.0)
+    return (out_TKD * topk_weights_TK.float().unsqueeze(-1)).sum(dim=1).to(dtype)
 
 
 def route_by_expert(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,9 +84,7 @@ def route_by_expert(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.
     ``_grouped_mm`` leaves rows past the last offset undefined (in its output and in the input
     gradient) and, on CPU, returns only ``offs[-1]`` rows.
     """
-    sort_key_N = topk_ids_TK.reshape(-1)
-    sort_key_N = torch.where(sort_key_N < 0, num_experts, sort_key_N)  # empty slots last
-    sorted_slots_N = torch.argsort(sort_key_N, stable=True)
+    sort_key_N, sorted_slots_N = sort_slots_by_expert(topk_ids_TK, num_experts)
     ids_N = sort_key_N.clamp(max=num_experts - 1)  # ... counted into the last expert's group
     counts_E = torch.zeros(num_experts, dtype=torch.int32, device=ids_N.device)
     counts_E = counts_E.scatter_add(0, ids_N, torch.ones_like(ids_N, dtype=torch.int32))
@@ -70,15 +100,10 @@ def moe_grouped_mm(
     w3_EFD: torch.Tensor,
     w2_EDF: torch.Tensor,
 ) -> torch.Tensor:
-    T, K = topk_ids_TK.shape
+    K = topk_ids_TK.shape[1]
     sorted_slots_N, offs_E = route_by_expert(topk_ids_TK, w1_EFD.shape[0])
     x_ND = x_TD[sorted_slots_N // K]
     gate_NF = _grouped_mm(x_ND, w1_EFD.transpose(-2, -1), offs_E)
     up_NF = _grouped_mm(x_ND, w3_EFD.transpose(-2, -1), offs_E)
     out_ND = _grouped_mm(F.silu(gate_NF) * up_NF, w2_EDF.transpose(-2, -1), offs_E)
-    # Un-sort to (token, k) order with a gather by the inverse permutation, then a deterministic
-    # float32 weighted sum over k (no scatter-add atomics). Empty slots are masked.
-    out_TKD = out_ND[torch.argsort(sorted_slots_N)].view(T, K, -1).float()
-    out_TKD = torch.where((topk_ids_TK >= 0).unsqueeze(-1), out_TKD, 0.0)
-    y_TD = (out_TKD * topk_weights_TK.float().unsqueeze(-1)).sum(dim=1)
-    return y_TD.to(x_TD.dtype)
+    return combine(out_ND, torch.argsort(sorted_slots_N), topk_ids_TK, topk_weights_TK, x_TD.dtype)

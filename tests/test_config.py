@@ -38,7 +38,7 @@ def test_toml_then_overrides(tmp_path):
     ("[activation_checkpoint]\nmode = \"most\"\n", r"\[activation_checkpoint\] mode = 'most' is not allowed; "
                                                     r"choose one of 'none', 'full', 'selective'"),
     ("[moe]\nbackend = \"fast\"\n", r"\[moe\] backend = 'fast' is not a registered MoE backend; choose one of "
-                                     r"grouped_mm, mega, torch"),
+                                     r"grouped_mm, grouped_mm_fp8, mega.*, torch"),
     ("steps = 3\n", r"top-level key 'steps' must be a \[section\]"),
     ("[training\n", r"not valid TOML"),
     ("[metrics]\nsummary_start_step = 10\nsummary_end_step = 5\n", r"summary_end_step \(5\) must be >= "),

@@ -323,6 +323,35 @@ def test_grouped_gemm_sorted_rows_and_transposed_weight():
     assert rel < 0.06, f"seed {seed}: dgrad relative error {rel}"
 
 
+@pytest.mark.parametrize("routing", [ROUTINGS[1], ROUTINGS[4]], ids=lambda r: f"T{r[0]}k{r[1]}E{r[2]}-{r[3]}")
+def test_grouped_gemm_combine_epilogue(routing):
+    """Down-GEMM epilogue of the MoE: row r stored at its slot, scaled by the slot's routing weight
+    (fp32, before the one rounding); empty slots (NaN weight here) are neither read nor written."""
+    seed = _seed()
+    T, K, E, kind = routing
+    F, D = 136, 96
+    msg = f"seed {seed} {routing}"
+    ids = _routing(T, K, E, kind)
+    slots, offs = sort_by_expert(ids, E)
+    weights = torch.rand(T * K, device=DEVICE)
+    weights[ids.view(-1) < 0] = float("nan")
+    aq, as_ = Q.quantize_rowwise(torch.randn(T * K, F, device=DEVICE))
+    wq, ws = Q.quantize_weight(torch.randn(E, D, F, device=DEVICE) * 0.05)
+    valid = ids.view(-1) >= 0
+    ref = G.fp8_grouped_gemm_ref(aq, as_, wq, ws, offs, out_slot_N=slots, slot_weights_N=weights)
+    outs = []
+    for w in (weights, None):
+        out = G.fp8_grouped_gemm(aq, as_, wq, ws, offs, out_dtype=torch.float32, out_slot_N=slots, slot_weights_N=w)
+        want = ref if w is not None else G.fp8_grouped_gemm_ref(aq, as_, wq, ws, offs, out_slot_N=slots)
+        torch.testing.assert_close(out[valid].double(), want[valid], rtol=1e-5, atol=1e-6 * want.abs().max(),
+                                   msg=_m(msg))
+        outs.append(out)
+    out16 = G.fp8_grouped_gemm(aq, as_, wq, ws, offs, out_slot_N=slots, slot_weights_N=weights)
+    assert torch.equal(out16[valid], outs[0][valid].to(torch.bfloat16)), f"{msg}: bf16 is not the rounded fp32"
+    with pytest.raises(ValueError, match="needs out_slot_N"):
+        G.fp8_grouped_gemm(aq, as_, wq, ws, offs, slot_weights_N=weights)
+
+
 @pytest.mark.parametrize("routing", ROUTINGS[:3] + ROUTINGS[4:], ids=lambda r: f"T{r[0]}k{r[1]}E{r[2]}-{r[3]}")
 def test_gate_up_swiglu(routing):
     """w1/w3 GEMM with the SwiGLU epilogue; A written already quantized == quantize_rowwise(A)."""
@@ -350,6 +379,12 @@ def test_gate_up_swiglu(routing):
     h16, a16, (aq16, as16) = G.fp8_gate_up_swiglu(xq, xs, w1q, w1s, w3q, w3s, slots, offs, K, quantize_a=True)
     assert torch.equal(h16[:n], h[:n].to(torch.bfloat16)), f"{msg}: bf16 H is not the rounded fp32 one"
     _assert_same_q((aq16[:n], as16[:n]), Q.quantize_rowwise(a16[:n].contiguous()), f"{msg}: fused A (bf16)")
+    # store_a=False: A only in its quantized copy (what the FP8 MoE forward uses), same bytes.
+    h_only, no_a, (aq_only, as_only) = G.fp8_gate_up_swiglu(
+        xq, xs, w1q, w1s, w3q, w3s, slots, offs, K, quantize_a=True, store_a=False
+    )
+    assert no_a is None and torch.equal(h_only[:n], h16[:n]), msg
+    _assert_same_q((aq_only[:n], as_only[:n]), (aq16[:n], as16[:n]), f"{msg}: store_a=False")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from components.config import ConfigError, parse_args
+from components.config import ConfigError, JobConfig, parse_args
 from train import NonFiniteLossError, Trainer, main
 
 SMALL = ["--model.n_layers", "2", "--training.seq_len", "64", "--training.local_batch_size", "4",
@@ -211,3 +211,21 @@ def test_tensorboard_scalars_are_written(tmp_path):
     acc.Reload()
     assert {"loss", "grad_norm", "lr", "tokens_per_second", "tflops"} <= set(acc.Tags()["scalars"])
     assert [e.step for e in acc.Scalars("loss")] == [1, 2]
+
+
+def test_fp8_blockwise_refused_on_gpu_until_verified(monkeypatch):
+    """The FP8 mega kernels gave wrong outputs in their first GPU run: the trainer refuses them on
+    a GPU (with a developer override), while the interpreter tests keep running them on CPU."""
+    from train import check_implemented
+
+    cfg = JobConfig()
+    cfg.moe.backend, cfg.quantize.moe = "mega", "fp8_blockwise"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("MEGA_MOE_FP8_UNVERIFIED", raising=False)
+    with pytest.raises(ConfigError, match="not yet correct on the GPU"):
+        check_implemented(cfg)
+    monkeypatch.setenv("MEGA_MOE_FP8_UNVERIFIED", "1")
+    check_implemented(cfg)
+    cfg.training.device = "cpu"
+    monkeypatch.delenv("MEGA_MOE_FP8_UNVERIFIED")
+    check_implemented(cfg)

@@ -17,7 +17,9 @@ of ``max_tiles * n_tiles`` programs, program -> (M-tile, N-tile), N-tile fastest
 Ops:
 
 - :func:`fp8_grouped_gemm`   out[r] = A[src(r)] @ B[e(r)]^T, src(r) = sorted_slot[r] // top_k when
-                             gathering (gate/up input, dgrad of the down GEMM) or r (down, dgrad).
+                             gathering (gate/up input, dgrad of the down GEMM) or r (down, dgrad);
+                             optionally stored to row slot(r) and scaled by a per-slot weight (the
+                             down GEMM's combine epilogue, the dX GEMM's scatter).
 - :func:`fp8_gate_up_swiglu` the gate/up GEMM with w1 and w3 and the SwiGLU epilogue of
                              ``kernels/mega_moe/forward.py``; optionally writes A quantized (1 x 128)
                              for the down GEMM.
@@ -105,6 +107,8 @@ def _fp8_gemm_kernel(
     bs_ptr,  # (E, NB, KB) fp32
     out_ptr,  # (Nr, N)
     sorted_slot_ptr,  # (Nr,) int32 (read if GATHER)
+    out_slot_ptr,  # (Nr,) int32: output row of each sorted row (read if SCATTER)
+    slot_w_ptr,  # (Nr,) fp32 weight by output row (read if WEIGHTED)
     offsets_ptr,  # (E+1,) int32
     table_ptr,  # (2, num_tiles) int32
     num_tiles,
@@ -114,6 +118,8 @@ def _fp8_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GATHER: tl.constexpr,
+    SCATTER: tl.constexpr,
+    WEIGHTED: tl.constexpr,
     EVEN_K: tl.constexpr,
     SOFT: tl.constexpr,
 ):
@@ -149,8 +155,16 @@ def _fp8_gemm_kernel(
         as_ptrs += 1
         bs_ptrs += 1
 
+    if SCATTER:
+        # Combine epilogue: each row goes straight to its (token, k) slot, scaled there in fp32
+        # before the one rounding, so no N x N_out permute pass follows the GEMM.
+        orow = tl.load(out_slot_ptr + rows, mask=rmask, other=0)
+        if WEIGHTED:
+            acc = acc * tl.load(slot_w_ptr + orow, mask=rmask, other=0.0)[:, None]
+    else:
+        orow = rows
     smask = rmask[:, None] & (offs_n < N)[None, :]
-    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * N + offs_n[None, :]
+    out_ptrs = out_ptr + orow.to(tl.int64)[:, None] * N + offs_n[None, :]
     tl.store(out_ptrs, cast_out(acc, out_ptr.dtype.element_ty, SOFT), mask=smask)
 
 
@@ -163,7 +177,7 @@ def _fp8_gate_up_kernel(
     w3_ptr,
     w3s_ptr,
     h_ptr,  # (Nr, 2F) out: [gate | up]
-    a_ptr,  # (Nr, F) out: silu(gate) * up
+    a_ptr,  # (Nr, F) out: silu(gate) * up (if STORE_A)
     aq_ptr,  # (Nr, F) uint8 out: A in e4m3 (if QUANT_A)
     as_out_ptr,  # (Nr, FB) fp32 out (if QUANT_A)
     sorted_slot_ptr,
@@ -176,6 +190,7 @@ def _fp8_gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     EVEN_K: tl.constexpr,
+    STORE_A: tl.constexpr,
     QUANT_A: tl.constexpr,
     POW2: tl.constexpr,
     SOFT: tl.constexpr,
@@ -232,7 +247,8 @@ def _fp8_gate_up_kernel(
     # A from the rounded gate/up, as the bf16 kernel does (the backward recomputes it from H).
     g = gate.to(tl.float32)
     act = cast_out(g * tl.sigmoid(g) * up.to(tl.float32), dtype, SOFT)
-    tl.store(a_ptr + rows64[:, None] * F + offs_n[None, :], act, mask=smask)
+    if STORE_A:
+        tl.store(a_ptr + rows64[:, None] * F + offs_n[None, :], act, mask=smask)
     if QUANT_A:
         # BLOCK_N == 128: this tile's columns are exactly one 1 x 128 scale tile of A, so the down
         # GEMM's operand is produced here without another pass over A. Quantized from the stored
@@ -256,6 +272,8 @@ def fp8_grouped_gemm(
     tiles: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    out_slot_N: torch.Tensor | None = None,
+    slot_weights_N: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[r] = dequant(A)[src(r)] @ dequant(B)[e(r)]^T for the expert-sorted rows r.
 
@@ -269,8 +287,13 @@ def fp8_grouped_gemm(
         offsets_E1: (E+1,) int32 expert row offsets (:func:`kernels.mega_moe.routing.sort_by_expert`).
         sorted_slot_N: (Nr,) int32 or None (no gather).
         tiles: optional tile table for ``block_m`` (:func:`kernels.mega_moe.routing.tile_table`).
+        out_slot_N: (Nr,) int32 or None: row r is stored at output row ``out_slot_N[r]`` instead
+            of r (the MoE combine: expert-sorted row -> its (token, k) slot).
+        slot_weights_N: (Nr,) fp32 or None (needs ``out_slot_N``): output row j is scaled by
+            ``slot_weights_N[j]`` in fp32 before the rounding to ``out_dtype`` (routing weights).
     Returns:
-        (Nr, N) ``out_dtype`` (bf16 or fp32). Rows r >= offsets_E1[E] (empty slots) are not written.
+        (Nr, N) ``out_dtype`` (bf16 or fp32). Rows r >= offsets_E1[E] (empty slots; with
+        ``out_slot_N`` their slots) are not written.
     """
     _check_fp8(a_q, 2, "a_q")
     _check_fp8(b_q, 3, "b_q")
@@ -284,6 +307,14 @@ def fp8_grouped_gemm(
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"out_dtype must be bf16 or fp32, got {out_dtype}")
     Nr = sorted_slot_N.numel() if sorted_slot_N is not None else a_q.shape[0]
+    if out_slot_N is not None and out_slot_N.numel() != Nr:
+        raise ValueError(f"out_slot_N has {out_slot_N.numel()} entries, expected one per row ({Nr})")
+    if slot_weights_N is not None:
+        if out_slot_N is None:
+            raise ValueError("slot_weights_N needs out_slot_N (the weights are indexed by output row)")
+        if slot_weights_N.dtype != torch.float32 or slot_weights_N.numel() != Nr or not slot_weights_N.is_contiguous():
+            raise ValueError(f"slot_weights_N: expected {Nr} contiguous fp32 weights, got {slot_weights_N.dtype} "
+                             f"{tuple(slot_weights_N.shape)}")
     bm, bn = _block_sizes(block_m, block_n)
     out = torch.empty((Nr, N), device=a_q.device, dtype=out_dtype)
     n_tiles = max_tiles(Nr, E, bm)
@@ -293,8 +324,11 @@ def fp8_grouped_gemm(
         tiles = tile_table(offsets_E1, Nr, bm)
     _fp8_gemm_kernel[(n_tiles * triton.cdiv(N, bn),)](
         a_q, a_s, b_q, b_s, out, sorted_slot_N if sorted_slot_N is not None else offsets_E1,
+        out_slot_N if out_slot_N is not None else offsets_E1,
+        slot_weights_N if slot_weights_N is not None else a_s,
         offsets_E1, tiles, n_tiles, top_k, N, K,
-        BLOCK_M=bm, BLOCK_N=bn, GATHER=sorted_slot_N is not None, EVEN_K=K % TILE == 0, SOFT=interpreting(),
+        BLOCK_M=bm, BLOCK_N=bn, GATHER=sorted_slot_N is not None, SCATTER=out_slot_N is not None,
+        WEIGHTED=slot_weights_N is not None, EVEN_K=K % TILE == 0, SOFT=interpreting(),
         num_warps=8 if not interpreting() else 4, num_stages=3,
     )  # fmt: skip
     return out
@@ -315,7 +349,8 @@ def fp8_gate_up_swiglu(
     pow2_scales: bool = False,
     tiles: torch.Tensor | None = None,
     block_m: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    store_a: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
     """FP8 gathered gate/up GEMM with the SwiGLU epilogue (FP8 twin of ``forward.gate_up``).
 
     Args:
@@ -324,9 +359,11 @@ def fp8_gate_up_swiglu(
         sorted_slot_N, offsets_E1, top_k: routing (row r reads token sorted_slot_N[r] // top_k).
         quantize_a: also write A quantized in 1 x 128 tiles (the down GEMM's operand); uses
             BLOCK_N = 128 so each N-tile is one scale tile.
+        store_a: write A in ``out_dtype`` (False with ``quantize_a``: the FP8 MoE needs only A's
+            quantized copy, and skipping the N x F store saves its bytes).
     Returns:
-        h_N2F: (Nr, 2F) [gate | up] in ``out_dtype``; a_NF: (Nr, F) silu(gate) * up in ``out_dtype``;
-        (a_q (Nr, F) e4m3, a_s (Nr, ceil(F/128)) fp32) if quantize_a else None.
+        h_N2F: (Nr, 2F) [gate | up] in ``out_dtype``; a_NF: (Nr, F) silu(gate) * up in ``out_dtype``
+        (None unless store_a); (a_q (Nr, F) e4m3, a_s (Nr, ceil(F/128)) fp32) if quantize_a else None.
         Rows r >= offsets_E1[E] are not written.
     """
     _check_fp8(x_q, 2, "x_q")
@@ -341,11 +378,13 @@ def fp8_gate_up_swiglu(
         _check_scales(s, (E, triton.cdiv(F, TILE), triton.cdiv(D, TILE)), name)
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"out_dtype must be bf16 or fp32, got {out_dtype}")
+    if not (store_a or quantize_a):
+        raise ValueError("fp8_gate_up_swiglu: store_a=False needs quantize_a=True (A must go somewhere)")
     Nr = sorted_slot_N.numel()
     bm, bn = _block_sizes(block_m, 128 if quantize_a else None)
     dev = x_q.device
     h = torch.empty((Nr, 2 * F), device=dev, dtype=out_dtype)
-    a = torch.empty((Nr, F), device=dev, dtype=out_dtype)
+    a = torch.empty((Nr, F), device=dev, dtype=out_dtype) if store_a else None
     aq = torch.empty((Nr, F), device=dev, dtype=FP8) if quantize_a else None
     a_s = torch.empty((Nr, triton.cdiv(F, TILE)), device=dev, dtype=torch.float32) if quantize_a else None
     n_tiles = max_tiles(Nr, E, bm)
@@ -354,10 +393,10 @@ def fp8_gate_up_swiglu(
     if tiles is None:
         tiles = tile_table(offsets_E1, Nr, bm)
     _fp8_gate_up_kernel[(n_tiles * triton.cdiv(F, bn),)](
-        x_q, x_s, w1_q, w1_s, w3_q, w3_s, h, a,
-        aq.view(torch.uint8) if quantize_a else a, a_s if quantize_a else a,
+        x_q, x_s, w1_q, w1_s, w3_q, w3_s, h, a if store_a else h,
+        aq.view(torch.uint8) if quantize_a else h, a_s if quantize_a else h,
         sorted_slot_N, offsets_E1, tiles, n_tiles, top_k, D, F,
-        BLOCK_M=bm, BLOCK_N=bn, EVEN_K=D % TILE == 0, QUANT_A=quantize_a, POW2=pow2_scales,
+        BLOCK_M=bm, BLOCK_N=bn, EVEN_K=D % TILE == 0, STORE_A=store_a, QUANT_A=quantize_a, POW2=pow2_scales,
         SOFT=interpreting(), num_warps=8 if not interpreting() else 4, num_stages=3,
     )  # fmt: skip
     return h, a, (aq, a_s) if quantize_a else None
@@ -471,8 +510,10 @@ def fp8_wgrad(
 # --------------------------------------------------------------------------------------------------
 
 
-def fp8_grouped_gemm_ref(a_q, a_s, b_q, b_s, offsets_E1, sorted_slot_N=None, top_k=1) -> torch.Tensor:
-    """float64 (Nr, N) reference of :func:`fp8_grouped_gemm`; rows r >= offsets_E1[E] are zero."""
+def fp8_grouped_gemm_ref(a_q, a_s, b_q, b_s, offsets_E1, sorted_slot_N=None, top_k=1, out_slot_N=None,
+                         slot_weights_N=None) -> torch.Tensor:
+    """float64 (Nr, N) reference of :func:`fp8_grouped_gemm`; rows r >= offsets_E1[E] (with
+    ``out_slot_N``: their slots) are zero."""
     a = dequantize_rowwise_ref(a_q, a_s, torch.float64)
     b = dequantize_weight_ref(b_q, b_s, torch.float64)
     if sorted_slot_N is not None:
@@ -481,6 +522,13 @@ def fp8_grouped_gemm_ref(a_q, a_s, b_q, b_s, offsets_E1, sorted_slot_N=None, top
     offs = offsets_E1.tolist()
     for e in range(b.shape[0]):
         out[offs[e] : offs[e + 1]] = a[offs[e] : offs[e + 1]] @ b[e].t()
+    if out_slot_N is not None:
+        if slot_weights_N is not None:
+            # Only covered rows are scaled: an empty slot's weight may be anything, NaN included.
+            w = torch.where(torch.arange(out.shape[0], device=out.device) < offs[-1],
+                            slot_weights_N.double()[out_slot_N.long()], 0.0)
+            out = out * w[:, None]
+        out = torch.zeros_like(out).index_copy(0, out_slot_N.long(), out)
     return out
 
 

@@ -125,7 +125,10 @@ def quantize_tile(x, s):
 
 def scale_from_amax_ref(amax: torch.Tensor, pow2_scales: bool = False) -> torch.Tensor:
     """Reference of :func:`scale_from_amax` (fp32 in, fp32 out)."""
-    s = amax.float().clamp(min=AMAX_EPS) / E4M3_MAX
+    amax = amax.float().clamp(min=AMAX_EPS)
+    # A tensor divisor, not the Python scalar: on CUDA, torch divides by a scalar as a multiply by
+    # its reciprocal (off by one ulp for most values), while the kernels divide correctly rounded.
+    s = amax / torch.full_like(amax, E4M3_MAX)
     if pow2_scales:
         s = ((s.view(torch.int32) + 0x7FFFFF) & -8388608).view(torch.float32)
     return s
@@ -450,7 +453,8 @@ def quantize_cols_grouped(
         return qt, st
     if tiles is None:
         tiles = tile_table(offsets_E1, Nr, TILE)
-    block_k = 32 if interpreting() else 64
+    # The interpreter's cost is per program (each tl op is a Python call), so it gets whole tiles.
+    block_k = 128 if interpreting() else 64
     _cols_grouped_kernel[(n_tiles, triton.cdiv(K, block_k))](
         x, qt.view(torch.uint8), st, sorted_slot_N if sorted_slot_N is not None else offsets_E1,
         offsets_E1, tiles, n_tiles, Nr, K, top_k,

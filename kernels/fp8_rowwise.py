@@ -1,0 +1,116 @@
+"""Rowwise-scaled FP8 (e4m3) GEMMs for training: TorchTitan's (torchao's) ``rowwise`` recipe.
+
+A linear ``y = x W^T`` runs its forward and both backward GEMMs in FP8, each operand quantized
+along the GEMM's reduction dim with one fp32 scale per row:
+
+    forward  y  = x  W^T : x  (M, K) rowwise over K,      W  (N, K) rowwise over K
+    dgrad    dx = dy W   : dy (M, N) rowwise over N,      W^T (K, N) rowwise over N (W's other dim)
+    wgrad    dW = dy^T x : dy^T (N, M) and x^T (K, M), both rowwise over M (the tokens)
+
+Each is :func:`scaled_mm_rowwise` (``a @ b^T`` with a and b quantized over their shared last
+dim), so a weight and a gradient are quantized once per GEMM that reads them, in the layout that
+GEMM needs. Everything is e4m3 (max 448), gradients included, as torchao's rowwise recipe does:
+with a scale per row, e4m3's extra mantissa bit buys more than e5m2's range. The high-precision x
+and W are saved for backward (as a bf16 linear saves them) and requantized there.
+
+Scales: ``s = max(amax, 1e-12) / 448`` per row (amax in float32), rounded *up* to a power of two
+(torchao's ``round_scales_to_power_of_2``): ``x / s`` is then exact and stays within +-448, and
+``q * s`` dequantizes exactly, so an FP8 GEMM equals the float32 GEMM of the dequantized operands
+up to accumulation order. ``q = e4m3(clamp(x / s, -448, 448))``.
+
+``torch._scaled_mm`` runs these on CUDA (sm_89+); on CPU an exact emulation does. Its CUDA constraints, checked in
+torch 2.11 and 2.13: a row-major, b column-major, K and both of b's dims multiples of 16, rowwise
+scales fp32 of shapes (M, 1) and (1, N), bf16 output. :func:`scaled_mm_rowwise` zero-pads K
+(the token count in wgrad) to a multiple of 16; the features of a converted linear must be
+multiples of 16 already (``components/float8.py`` checks).
+
+Plain torch ops in a ``torch.autograd.Function`` rather than a ``torch.library`` custom op, on
+purpose: every op has a meta kernel, so dynamo traces forward and backward into the graph
+(``fullgraph=True`` holds), and inductor fuses each quantization (amax, scale, cast) into one
+pass next to its neighbours; inside an opaque custom op they would run as separate eager kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+AMAX_EPS = 1e-12  # all-zero rows get a tiny finite scale (and quantize to zeros)
+ALIGN = 16  # _scaled_mm's (and _scaled_grouped_mm's) dimension multiple on CUDA
+
+# torchao's rowwise defaults: fast (lower-precision) accumulation only for the forward GEMM; the
+# gradient GEMMs accumulate in full fp32, as their reductions (the tokens, in wgrad) are long.
+FAST_ACCUM_FORWARD = True
+FAST_ACCUM_BACKWARD = False
+
+
+def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """fp32 scales ``max(amax, eps) / 448`` rounded up to a power of two, on the bits: adding
+    2^23 - 1 carries into the exponent unless the mantissa is zero, then the mantissa is cleared
+    (exact, unlike ``exp2(ceil(log2))``)."""
+    s = amax.float().clamp(min=AMAX_EPS) / E4M3_MAX
+    return ((s.view(torch.int32) + 0x7FFFFF) & -8388608).view(torch.float32)  # -8388608 == 0xFF800000
+
+
+def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., K) float -> q (..., K) e4m3, contiguous, and s (..., 1) fp32 with ``x ~= q * s``."""
+    x32 = x.float()
+    s = scale_from_amax(x32.abs().amax(dim=-1, keepdim=True))
+    q = (x32 / s).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q.contiguous(), s
+
+
+def pad_last_dim(x: torch.Tensor, multiple: int = ALIGN) -> torch.Tensor:
+    """Zero-pads the last dim up to a multiple (a no-op when it is one already)."""
+    pad = (-x.shape[-1]) % multiple
+    return F.pad(x, (0, pad)) if pad else x
+
+
+def scaled_mm_rowwise(a_MK: torch.Tensor, b_NK: torch.Tensor, use_fast_accum: bool) -> torch.Tensor:
+    """``a @ b^T`` in FP8, both operands quantized rowwise over K: (M, K) x (N, K) -> (M, N) bf16.
+
+    Any strides and float dtypes in; K is zero-padded to a multiple of 16 (zeros change no amax
+    and add nothing to the product).
+    """
+    qa, sa = quantize_rowwise(pad_last_dim(a_MK))
+    qb, sb = quantize_rowwise(pad_last_dim(b_NK))
+    if not qa.is_cuda:
+        # CPU: torch 2.13's _scaled_mm takes rowwise scales there but torch 2.11's only per-tensor
+        # ones; with power-of-two scales the dequantized operands are exact, so a float32 GEMM of
+        # them is the same product (up to accumulation order) on every torch.
+        return ((qa.float() * sa) @ (qb.float() * sb).t()).to(torch.bfloat16)
+    return torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb.view(1, -1), out_dtype=torch.bfloat16,
+                            use_fast_accum=use_fast_accum)
+
+
+class _Float8LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_MK: torch.Tensor, w_NK: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        ctx.save_for_backward(x_MK, w_NK)
+        return scaled_mm_rowwise(x_MK, w_NK, FAST_ACCUM_FORWARD).to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, dy_MN: torch.Tensor):
+        x_MK, w_NK = ctx.saved_tensors
+        dx_MK = dw_NK = None
+        if ctx.needs_input_grad[0]:
+            dx_MK = scaled_mm_rowwise(dy_MN, w_NK.t(), FAST_ACCUM_BACKWARD).to(x_MK.dtype)
+        if ctx.needs_input_grad[1]:
+            dw_NK = scaled_mm_rowwise(dy_MN.t(), x_MK.t(), FAST_ACCUM_BACKWARD).to(w_NK.dtype)
+        return dx_MK, dw_NK, None
+
+
+def fp8_linear(x: torch.Tensor, weight_NK: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x @ weight^T`` (no bias) with FP8 forward and backward GEMMs: (..., K) x (N, K) -> (..., N).
+
+    ``x`` and ``weight`` may be float32 or bf16 (they are quantized from float32 either way);
+    gradients come back in their dtypes. The output is ``out_dtype`` (default ``x.dtype``), cast
+    from the GEMM's bf16.
+    """
+    if x.shape[-1] != weight_NK.shape[1]:
+        raise ValueError(f"fp8_linear: x has {x.shape[-1]} features, the weight {tuple(weight_NK.shape)} wants "
+                         f"{weight_NK.shape[1]}")
+    y_MN = _Float8LinearFn.apply(x.reshape(-1, x.shape[-1]), weight_NK, out_dtype or x.dtype)
+    return y_MN.view(*x.shape[:-1], weight_NK.shape[0])

@@ -1,0 +1,317 @@
+"""Backward of the FP8 mega-MoE op (the math of ``kernels/mega_moe/backward.py``, operands in e4m3).
+
+With g, u the gate/up halves of H (saved by the forward, expert-sorted rows r, slot = sorted_slot[r]):
+
+    dy_q, dy_s  = quantize_rowwise(dy)                                   1 x 128 along D
+    dA'[r]      = dy[tok(r)] @ w2[e]                                     _fp8_dh_kernel: FP8 GEMM
+    ds[slot]    = rowsum(dA'[r] * silu(g) * u)                           with the SwiGLU backward
+    dgate = s * dA' * u * silu'(g),  dup = s * dA' * silu(g)             as its epilogue, which also
+                                                                         writes dH quantized 1 x 128
+    dXbuf[slot] = [dgate | dup] @ [w1[e]; w3[e]];  dx[t] = sum_k dXbuf   fp8_grouped_gemm over
+                                                                         K = 2F, scatter epilogue
+    dW1[e] = dgate_e^T @ x_e, dW3[e] = dup_e^T @ x_e, dW2[e] = dy_e^T @ (s * A)_e
+        wgrad="fp8":  fp8_wgrad on operands quantized 128 x 1 along each expert's rows
+                      (quantize_cols_grouped; x and dy gathered by token in that pass)
+        wgrad="bf16": the bf16 mega kernels ``dw13`` / ``dw2`` on dH, x, dy, s * A
+
+dgrad reads each weight transposed: w2[e] as (F, D) and [w1[e]; w3[e]] as (D, 2F). A 128 x 128
+block's scale serves both orientations, so the transposed operand is the e4m3 bytes transposed
+(one byte per element copied), never a requantization. When F is not a multiple of 128 the dX
+GEMM's K = 2F is laid out as two halves of F rounded up to 128 (zero padded), so that no 1 x 128
+tile of dH and no weight block straddles the gate/up boundary.
+
+Every sum has a fixed order (no float atomics): the backward is deterministic.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.fp8.grouped_gemm import _scaled_kstep, fp8_grouped_gemm, fp8_wgrad
+from kernels.fp8.quant import (
+    FP8,
+    TILE,
+    cast_out,
+    interpreting,
+    quantize_cols_grouped,
+    quantize_rowwise,
+    quantize_tile,
+    quantize_weight,
+    scale_from_amax,
+    to_e4m3_bits,
+)
+from kernels.mega_moe.backward import dw13, dw2
+from kernels.mega_moe.common import sum_over_k, tile_rows, valid_slots
+from kernels.mega_moe.configs import get_configs
+from kernels.mega_moe.routing import max_tiles, tile_table
+from kernels.mega_moe_fp8.forward import gemm_blocks
+
+WGRAD_PRECISIONS = ("fp8", "bf16")
+
+
+@triton.jit
+def _store_quantized_half(v, nmask, rows64, rmask, offs_n, col0, tile, q_ptr, s_ptr, FP, FB,
+                          POW2: tl.constexpr, SOFT: tl.constexpr):
+    """One 1 x 128 tile per row of ``v`` (already rounded to the activation dtype) stored as e4m3 at
+    columns ``col0 + offs_n`` of rows of 2 * FP bytes, its scale at column ``tile`` of rows of 2 * FB."""
+    vf = tl.where(nmask[None, :], v.to(tl.float32), 0.0)  # the padding past F is written as zeros
+    s = scale_from_amax(tl.max(tl.abs(vf), axis=1), POW2)
+    q = to_e4m3_bits(quantize_tile(vf, s[:, None]), SOFT)
+    qmask = rmask[:, None] & (offs_n < FP)[None, :]
+    tl.store(q_ptr + rows64[:, None] * (2 * FP) + col0 + offs_n[None, :], q, mask=qmask)
+    tl.store(s_ptr + rows64 * (2 * FB) + tile, s, mask=rmask)
+
+
+@triton.jit
+def _fp8_dh_kernel(
+    dy_ptr,  # (T, D) e4m3
+    dys_ptr,  # (T, DB) fp32
+    w2t_ptr,  # (E, F, D) e4m3: w2's bytes transposed
+    w2ts_ptr,  # (E, FB, DB) fp32: w2's block scales transposed
+    h_ptr,  # (N, 2F) [gate | up]
+    s_ptr,  # (N,) fp32 routing weights by slot
+    dh_ptr,  # (N, 2F) out: [dgate | dup], activation dtype
+    dhq_ptr,  # (N, 2 * FP) uint8 out: e4m3 dgate at column 0, dup at column FP
+    dhs_ptr,  # (N, 2 * FB) fp32 out: their 1 x 128 scales
+    sa_ptr,  # (N, F) out: s * silu(g) * u (if STORE_SA)
+    ds_part_ptr,  # (FB, N) fp32 out: partial routing-weight grads by slot
+    sorted_slot_ptr,
+    offsets_ptr,
+    table_ptr,
+    num_tiles,
+    N,
+    K_TOP,
+    D,
+    F,
+    BLOCK_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    STORE_SA: tl.constexpr,
+    POW2: tl.constexpr,
+    SOFT: tl.constexpr,
+):
+    # BLOCK_N is the scale tile (128): each program's columns are exactly one 1 x 128 tile of dgate
+    # and one of dup, so the dX GEMM's operand is quantized here, with no pass over dH.
+    pid = tl.program_id(0)
+    FB = tl.cdiv(F, 128)
+    pid_m = pid // FB
+    pid_n = pid % FB
+    expert, rows, rmask, _ = tile_rows(table_ptr, offsets_ptr, num_tiles, pid_m, BLOCK_M)
+    if expert < 0:
+        return
+    # Rows past the expert's end read token 0 (a valid row) and are dropped at the stores.
+    slot = tl.load(sorted_slot_ptr + rows, mask=rmask, other=0)
+    tok = (slot // K_TOP).to(tl.int64)
+
+    DB = tl.cdiv(D, 128)
+    e64 = expert.to(tl.int64)
+    offs_n = pid_n * 128 + tl.arange(0, 128)
+    offs_n_ld = offs_n % F
+    offs_k = tl.arange(0, 128)
+    a_ptrs = dy_ptr + tok[:, None] * D + offs_k[None, :]
+    b_ptrs = w2t_ptr + e64 * F * D + offs_n_ld.to(tl.int64)[None, :] * D + offs_k[:, None]
+    as_ptrs = dys_ptr + tok * DB
+    bs_ptrs = w2ts_ptr + (e64 * FB + offs_n_ld // 128) * DB
+    acc = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
+    for kb in range(0, DB):
+        acc = _scaled_kstep(a_ptrs, b_ptrs, as_ptrs, bs_ptrs, acc, kb, D, offs_k, EVEN_K)
+        a_ptrs += 128
+        b_ptrs += 128
+        as_ptrs += 1
+        bs_ptrs += 1
+
+    # SwiGLU backward from H, as the bf16 kernel's epilogue does.
+    s = tl.load(s_ptr + slot, mask=rmask, other=0.0)
+    rows64 = rows.to(tl.int64)
+    nmask = offs_n < F
+    smask = rmask[:, None] & nmask[None, :]
+    h_ptrs = h_ptr + rows64[:, None] * (2 * F) + offs_n[None, :]
+    g = tl.load(h_ptrs, mask=smask, other=0.0).to(tl.float32)
+    u = tl.load(h_ptrs + F, mask=smask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(g)
+    silu = g * sig
+    act = silu * u
+    ds_part = tl.sum(acc * act, axis=1)
+    da = acc * s[:, None]
+    dtype = dh_ptr.dtype.element_ty
+    dgate = cast_out(da * u * sig * (1.0 + g * (1.0 - sig)), dtype, SOFT)
+    dup = cast_out(da * silu, dtype, SOFT)
+    dh_ptrs = dh_ptr + rows64[:, None] * (2 * F) + offs_n[None, :]
+    tl.store(dh_ptrs, dgate, mask=smask)
+    tl.store(dh_ptrs + F, dup, mask=smask)
+    # Quantized from the rounded dH, so each half equals quantize_rowwise of the stored one.
+    FP = FB * 128
+    _store_quantized_half(dgate, nmask, rows64, rmask, offs_n, 0, pid_n, dhq_ptr, dhs_ptr, FP, FB, POW2, SOFT)
+    _store_quantized_half(dup, nmask, rows64, rmask, offs_n, FP, FB + pid_n, dhq_ptr, dhs_ptr, FP, FB, POW2, SOFT)
+    if STORE_SA:
+        # A rounded to the activation dtype as in the forward, then scaled: what dW2 multiplies.
+        sa = cast_out(act, dtype, SOFT).to(tl.float32) * s[:, None]
+        tl.store(sa_ptr + rows64[:, None] * F + offs_n[None, :], cast_out(sa, dtype, SOFT), mask=smask)
+    # Partial ds of this F-tile; the launcher sums the partials in a fixed order.
+    tl.store(ds_part_ptr + pid_n * N + slot, ds_part, mask=rmask)
+
+
+def dh_block_m() -> int:
+    """Row tile of the dH kernel. On the GPU 64, not 128: the SwiGLU-backward epilogue keeps ~6
+    fp32 tiles of 128 columns live (an untuned guess; the bf16 kernel splits its epilogue instead)."""
+    return 16 if interpreting() else 64
+
+
+def dh_swiglu(
+    dy_q: torch.Tensor,
+    dy_s: torch.Tensor,
+    w2t_q: torch.Tensor,
+    w2t_s: torch.Tensor,
+    h_N2F: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    sorted_slot_N: torch.Tensor,
+    offsets_E1: torch.Tensor,
+    store_sa: bool = True,
+    pow2_scales: bool = False,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor | None]:
+    """FP8 dA' = dy_gathered @ w2[e] with the SwiGLU backward and the routing-weight grad as epilogue.
+
+    Args:
+        dy_q, dy_s: (T, D) e4m3 and (T, ceil(D/128)) fp32, 1 x 128 tiles (``quantize_rowwise(dy)``).
+        w2t_q, w2t_s: (E, F, D) e4m3 and (E, ceil(F/128), ceil(D/128)) fp32: w2's quantized bytes
+            and block scales transposed (``q.mT``, ``s.mT``, contiguous).
+        h_N2F: (N, 2F) [gate | up] from the forward; topk_weights_TK: (T, K) fp32.
+    Returns:
+        dh_N2F: (N, 2F) [dgate | dup] in h's dtype, expert-sorted rows.
+        (dh_q, dh_s): (N, 2 * FP) e4m3 and (N, 2 * ceil(F/128)) fp32, FP = F rounded up to 128:
+            dgate at columns [0, F), dup at [FP, FP + F), zeros between; each half is
+            ``quantize_rowwise`` of the stored dgate / dup.
+        ds_TK: (T, K) fp32 routing-weight gradient (empty slots: undefined, the caller masks).
+        sa_NF: (N, F) s * silu(g) * u in h's dtype (None unless store_sa): dW2's operand.
+        Rows r >= offsets_E1[E] (empty slots) are not written.
+    """
+    T, K = topk_weights_TK.shape
+    E, F, D = w2t_q.shape
+    N = T * K
+    FB = triton.cdiv(F, TILE)
+    dev = h_N2F.device
+    dh_N2F = torch.empty_like(h_N2F)
+    dh_q = torch.empty((N, 2 * FB * TILE), device=dev, dtype=FP8)
+    dh_s = torch.empty((N, 2 * FB), device=dev, dtype=torch.float32)
+    sa_NF = torch.empty((N, F), device=dev, dtype=h_N2F.dtype) if store_sa else None
+    ds_part_PN = torch.empty((FB, N), device=dev, dtype=torch.float32)
+    bm = dh_block_m()
+    n_tiles = max_tiles(N, E, bm)
+    if N == 0:
+        return dh_N2F, (dh_q, dh_s), ds_part_PN.sum(0).view(T, K), sa_NF
+    tiles = tile_table(offsets_E1, N, bm)
+    _fp8_dh_kernel[(n_tiles * FB,)](
+        dy_q, dy_s, w2t_q, w2t_s, h_N2F, topk_weights_TK, dh_N2F, dh_q.view(torch.uint8), dh_s,
+        sa_NF if store_sa else dh_N2F, ds_part_PN, sorted_slot_N, offsets_E1, tiles,
+        n_tiles, N, K, D, F,
+        BLOCK_M=bm, EVEN_K=D % TILE == 0, STORE_SA=store_sa, POW2=pow2_scales, SOFT=interpreting(),
+        num_warps=8 if not interpreting() else 4, num_stages=3,
+    )  # fmt: skip
+    return dh_N2F, (dh_q, dh_s), ds_part_PN.sum(0).view(T, K), sa_NF
+
+
+def _wgrad_blocks() -> tuple[int | None, int | None]:
+    """fp8_wgrad's (block_m, block_n): its defaults on the GPU; whole 128 x 128 output tiles under
+    the interpreter, whose cost is per program."""
+    return (128, 128) if interpreting() else (None, None)
+
+
+def _transposed(q: torch.Tensor) -> torch.Tensor:
+    """e4m3 bytes transposed in the last two dims, contiguous (copied as uint8: plain bytes)."""
+    return q.view(torch.uint8).mT.contiguous().view(FP8)
+
+
+def dx_weight(w1_EFD: torch.Tensor, w3_EFD: torch.Tensor, pow2_scales: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[w1[e]; w3[e]] read as the (D, 2F) B operand of the dX GEMM, in e4m3.
+
+    Returns:
+        q: (E, D, 2 * FP) e4m3, w1[e]^T at columns [0, F), w3[e]^T at [FP, FP + F), zeros between
+            (FP = F rounded up to 128), matching the layout of :func:`dh_swiglu`'s dH.
+        s: (E, ceil(D/128), 2 * ceil(F/128)) fp32 block scales.
+    """
+    E, F, D = w1_EFD.shape
+    FP = triton.cdiv(F, TILE) * TILE
+    q = torch.zeros((E, D, 2 * FP), device=w1_EFD.device, dtype=torch.uint8) if FP != F else None
+    halves_q, halves_s = [], []
+    for w in (w1_EFD, w3_EFD):
+        w_q, w_s = quantize_weight(w, pow2_scales)
+        halves_q.append(w_q.view(torch.uint8).mT)
+        halves_s.append(w_s.mT)
+    if q is None:
+        q = torch.cat(halves_q, dim=2)
+    else:
+        q[:, :, :F] = halves_q[0]
+        q[:, :, FP : FP + F] = halves_q[1]
+    return q.view(FP8), torch.cat(halves_s, dim=2).contiguous()
+
+
+def moe_fp8_backward(
+    dy_TD: torch.Tensor,
+    x_TD: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    w1_EFD: torch.Tensor,
+    w3_EFD: torch.Tensor,
+    w2_EDF: torch.Tensor,
+    h_N2F: torch.Tensor,
+    sorted_slot_N: torch.Tensor,
+    offsets_E1: torch.Tensor,
+    wgrad: str = "fp8",
+    pow2_scales: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the FP8 backward. Inputs contiguous, dy/x/weights bf16, routing weights fp32.
+    Empty slots (expert id -1) get zero gradients; an expert with no rows gets zero weight grads.
+
+    Returns:
+        dx_TD, dw1_EFD, dw3_EFD, dw2_EDF (bf16), dtopk_weights_TK (fp32).
+    """
+    if wgrad not in WGRAD_PRECISIONS:
+        raise ValueError(f"mega_fp8: wgrad must be one of {WGRAD_PRECISIONS}, got {wgrad!r}")
+    T, K = topk_weights_TK.shape
+    E, F, D = w1_EFD.shape
+    N = T * K
+    dy_q, dy_s = quantize_rowwise(dy_TD, pow2_scales)
+    w2_q, w2_s = quantize_weight(w2_EDF, pow2_scales)
+    w2t_q, w2t_s = _transposed(w2_q), w2_s.mT.contiguous()
+    del w2_q, w2_s
+    dh_N2F, (dh_q, dh_s), ds_TK, sa_NF = dh_swiglu(
+        dy_q, dy_s, w2t_q, w2t_s, h_N2F, topk_weights_TK, sorted_slot_N, offsets_E1,
+        store_sa=True, pow2_scales=pow2_scales,
+    )  # fmt: skip
+    del dy_q, dy_s, w2t_q, w2t_s
+
+    w13t_q, w13t_s = dx_weight(w1_EFD, w3_EFD, pow2_scales)
+    bm, bn = gemm_blocks()
+    dxbuf_ND = fp8_grouped_gemm(
+        dh_q, dh_s, w13t_q, w13t_s, offsets_E1, out_dtype=x_TD.dtype, tiles=tile_table(offsets_E1, N, bm),
+        block_m=bm, block_n=bn, out_slot_N=sorted_slot_N,
+    )  # fmt: skip
+    del dh_q, dh_s, w13t_q, w13t_s
+    # Empty slots' rows lie past every expert's tiles: skipped in the sum, zeroed in ds.
+    valid_N = valid_slots(sorted_slot_N, offsets_E1)
+    dx_TD = sum_over_k(dxbuf_ND, T, K, valid_N)
+    del dxbuf_ND
+    ds_TK = torch.where(valid_N.view(T, K) != 0, ds_TK, 0.0)
+
+    if wgrad == "bf16":
+        configs = get_configs(D, F, E, x_TD.dtype)
+        dw1_EFD, dw3_EFD = dw13(x_TD, dh_N2F, sorted_slot_N, offsets_E1, E, K, configs.dw13)
+        dw2_EDF = dw2(dy_TD, h_N2F, topk_weights_TK, sa_NF, sorted_slot_N, offsets_E1, E, configs.dw2)
+        return dx_TD, dw1_EFD, dw3_EFD, dw2_EDF, ds_TK
+
+    # FP8 wgrad: both operands quantized along the reduction (token) dim in 128-row blocks of one
+    # expert. dH's 2F columns are quantized in one pass; its gate and dup halves are contiguous row
+    # ranges of the transposed copy, so dW1 and dW3 are two GEMMs with no slicing copy.
+    tiles128 = tile_table(offsets_E1, N, TILE)
+    xt_q, xt_s = quantize_cols_grouped(x_TD, offsets_E1, sorted_slot_N, K, pow2_scales, tiles128)
+    dht_q, dht_s = quantize_cols_grouped(dh_N2F, offsets_E1, None, 1, pow2_scales, tiles128)
+    del dh_N2F
+    blocks = _wgrad_blocks()
+    dw1_EFD = fp8_wgrad(dht_q[:F], dht_s[:F], xt_q, xt_s, offsets_E1, w1_EFD.dtype, *blocks)
+    dw3_EFD = fp8_wgrad(dht_q[F:], dht_s[F:], xt_q, xt_s, offsets_E1, w3_EFD.dtype, *blocks)
+    del xt_q, xt_s, dht_q, dht_s
+    dyt_q, dyt_s = quantize_cols_grouped(dy_TD, offsets_E1, sorted_slot_N, K, pow2_scales, tiles128)
+    sat_q, sat_s = quantize_cols_grouped(sa_NF, offsets_E1, None, 1, pow2_scales, tiles128)
+    dw2_EDF = fp8_wgrad(dyt_q, dyt_s, sat_q, sat_s, offsets_E1, w2_EDF.dtype, *blocks)
+    return dx_TD, dw1_EFD, dw3_EFD, dw2_EDF, ds_TK

@@ -1,0 +1,203 @@
+"""The FP8 mega-MoE op: the routed-expert SwiGLU MLP with every GEMM in block-scaled e4m3.
+
+    y_TD = mega_moe_fp8(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF)
+    y[t] = sum_k s[t,k] * w2[e] @ (silu(w1[e] @ x[t]) * (w3[e] @ x[t])),  e = topk_ids[t,k]
+
+The bf16 ``mega`` op (``kernels/mega_moe/op.py``) with its operands quantized DeepSeek-V3 style:
+activations and gradients in 1 x 128 tiles along the reduction dim, weights in 128 x 128 blocks,
+weight-gradient operands in 128 x 1 tiles along the tokens of one expert; fp32 accumulation with
+the scales applied per 128-long K step. Forward and backward are ``torch.library`` custom ops
+(``mega_moe_fp8::forward``, ``mega_moe_fp8::backward``) with fake implementations and a registered
+autograd formula, so ``torch.compile(fullgraph=True)`` sees the layer as one node each way.
+
+Saved for backward, as in the bf16 op: x, the routing weights, the three bf16 weights, H = [gate |
+up] (N x 2F bf16) and the routing metadata. The e4m3 weight copies are not saved (the backward
+requantizes; see ``forward.py`` for the cost and the cache that is not done).
+
+Options (:class:`MegaFP8Options`, module-wide through :func:`set_options` / :func:`options`):
+``wgrad`` "fp8" (default) or "bf16" for the weight gradients, ``pow2_scales`` to round every scale
+up to a power of two.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Iterator
+
+import torch
+
+from kernels import register_moe_backend
+from kernels.mega_moe.op import _backward_fake as _bf16_backward_fake
+from kernels.mega_moe.op import _check_device, _check_inputs
+from kernels.mega_moe.op import _forward_fake as _bf16_forward_fake
+from kernels.mega_moe_fp8.backward import WGRAD_PRECISIONS, moe_fp8_backward
+from kernels.mega_moe_fp8.forward import moe_fp8_forward
+
+_Tensors4 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+_Tensors5 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class MegaFP8Options:
+    """Knobs of the ``mega_fp8`` backend.
+
+    wgrad: "fp8" computes dW1, dW3, dW2 with ``kernels.fp8.grouped_gemm.fp8_wgrad`` on operands
+        quantized 128 x 1 along each expert's tokens; "bf16" runs the bf16 mega kernels (``dw13``,
+        ``dw2``) on the unquantized dH, x, dy and s * A (the weight gradients then carry only the
+        error of the FP8 dgrad that produced dH).
+    pow2_scales: round every scale up to a power of two (rescaling is exact; a tile's largest
+        value then maps into [224, 448] instead of to 448).
+    """
+
+    wgrad: str = "fp8"
+    pow2_scales: bool = False
+
+    def __post_init__(self):
+        if self.wgrad not in WGRAD_PRECISIONS:
+            raise ValueError(f"MegaFP8Options.wgrad must be one of {WGRAD_PRECISIONS}, got {self.wgrad!r}")
+
+
+_OPTIONS = MegaFP8Options()
+
+
+def get_options() -> MegaFP8Options:
+    return _OPTIONS
+
+
+def set_options(new: MegaFP8Options) -> MegaFP8Options:
+    """Use ``new`` for every later call of the backend; returns the previous options."""
+    global _OPTIONS
+    if not isinstance(new, MegaFP8Options):
+        raise TypeError(f"set_options takes a MegaFP8Options, got {type(new).__name__}")
+    previous, _OPTIONS = _OPTIONS, new
+    return previous
+
+
+@contextlib.contextmanager
+def options(**changes) -> Iterator[MegaFP8Options]:
+    """``with options(wgrad="bf16"): ...``: the current options with ``changes`` inside the block."""
+    previous = set_options(dataclasses.replace(_OPTIONS, **changes))
+    try:
+        yield _OPTIONS
+    finally:
+        set_options(previous)
+
+
+@torch.library.custom_op("mega_moe_fp8::forward", mutates_args=())
+def _forward_op(
+    x_TD: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    w1_EFD: torch.Tensor,
+    w3_EFD: torch.Tensor,
+    w2_EDF: torch.Tensor,
+    wgrad: str,
+    pow2_scales: bool,
+) -> _Tensors4:
+    """Returns (y_TD, h_N2F, sorted_slot_N int32, offsets_E1 int32); ``wgrad`` is for the backward."""
+    _check_device(x_TD)
+    return moe_fp8_forward(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, pow2_scales)
+
+
+@_forward_op.register_fake
+def _forward_fake(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, wgrad, pow2_scales):
+    # Outputs of the bf16 op's shapes and dtypes.
+    return _bf16_forward_fake(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF)
+
+
+@torch.library.custom_op("mega_moe_fp8::backward", mutates_args=())
+def _backward_op(
+    dy_TD: torch.Tensor,
+    x_TD: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    w1_EFD: torch.Tensor,
+    w3_EFD: torch.Tensor,
+    w2_EDF: torch.Tensor,
+    h_N2F: torch.Tensor,
+    sorted_slot_N: torch.Tensor,
+    offsets_E1: torch.Tensor,
+    wgrad: str,
+    pow2_scales: bool,
+) -> _Tensors5:
+    """Returns (dx_TD, dw1_EFD, dw3_EFD, dw2_EDF, dtopk_weights_TK fp32)."""
+    _check_device(x_TD)
+    return moe_fp8_backward(
+        dy_TD, x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, h_N2F, sorted_slot_N, offsets_E1, wgrad, pow2_scales
+    )
+
+
+@_backward_op.register_fake
+def _backward_fake(dy_TD, x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, h_N2F, sorted_slot_N, offsets_E1,
+                   wgrad, pow2_scales):
+    return _bf16_backward_fake(dy_TD, x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, h_N2F, sorted_slot_N,
+                               offsets_E1)
+
+
+def _setup_context(ctx, inputs, output):
+    x_TD, _, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, wgrad, pow2_scales = inputs
+    _, h_N2F, sorted_slot_N, offsets_E1 = output
+    ctx.save_for_backward(x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, h_N2F, sorted_slot_N, offsets_E1)
+    ctx.wgrad, ctx.pow2_scales = wgrad, pow2_scales
+
+
+def _autograd_backward(ctx, dy_TD, _dh, _dslot, _doffsets):
+    # Only y carries a gradient: H and the routing metadata are returned for the backward alone.
+    saved = ctx.saved_tensors
+    dy_TD = dy_TD.to(saved[0].dtype).contiguous()
+    dx, dw1, dw3, dw2, ds = torch.ops.mega_moe_fp8.backward(dy_TD, *saved, ctx.wgrad, ctx.pow2_scales)
+    return dx, None, ds, dw1, dw3, dw2, None, None
+
+
+_forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+def _check_bf16(x_TD, w1_EFD, w3_EFD, w2_EDF) -> None:
+    for name, t in (("x_TD", x_TD), ("w1_EFD", w1_EFD), ("w3_EFD", w3_EFD), ("w2_EDF", w2_EDF)):
+        if t.dtype != torch.bfloat16:
+            raise TypeError(
+                f"mega_fp8: {name} has dtype {t.dtype}; the FP8 MoE quantizes bfloat16 activations and "
+                f"weights only (train with [training] mixed_precision_param = \"bfloat16\", or set "
+                f"[quantize] moe = \"none\" for the {t.dtype} mega kernels)"
+            )
+
+
+@register_moe_backend("mega_fp8")
+def mega_moe_fp8(
+    x_TD: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    w1_EFD: torch.Tensor,
+    w3_EFD: torch.Tensor,
+    w2_EDF: torch.Tensor,
+) -> torch.Tensor:
+    """Routed-expert SwiGLU MLP, block-scaled FP8 GEMMs in fused Triton kernels.
+
+    Args:
+        x_TD: (T, D) bfloat16 tokens.
+        topk_ids_TK: (T, K) int32/int64 expert ids in [0, E), or -1 for an empty slot that
+            contributes nothing and gets zero gradients (not range-checked: that would sync).
+        topk_weights_TK: (T, K) float routing weights (computed in fp32).
+        w1_EFD, w3_EFD: (E, F, D) bfloat16 gate and up projections.
+        w2_EDF: (E, D, F) bfloat16 down projection.
+        D and F need not be multiples of 128 (partial scale tiles are masked), but the GEMMs run
+        at full speed only when they are.
+
+    Returns:
+        y_TD: (T, D) bfloat16. Differentiable w.r.t. x, the three weights (bf16 grads) and
+        topk_weights_TK (fp32 grad). Deterministic. Options: :class:`MegaFP8Options`.
+    """
+    _check_bf16(x_TD, w1_EFD, w3_EFD, w2_EDF)
+    _check_inputs(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF)
+    opts = _OPTIONS
+    y_TD, _, _, _ = torch.ops.mega_moe_fp8.forward(
+        x_TD.contiguous(),
+        topk_ids_TK.contiguous(),
+        topk_weights_TK.to(torch.float32).contiguous(),
+        w1_EFD.contiguous(),
+        w3_EFD.contiguous(),
+        w2_EDF.contiguous(),
+        opts.wgrad,
+        opts.pow2_scales,
+    )
+    return y_TD

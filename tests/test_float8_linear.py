@@ -1,0 +1,255 @@
+"""FP8 dense linears (``[quantize] linear = "fp8_rowwise"``): the rowwise GEMMs, the module swap and
+training through ``train.py``, on CPU (an exact emulation of ``torch._scaled_mm`` there).
+
+Tolerances. e4m3 keeps 3 mantissa bits: rounding to nearest moves a value by at most 2^-4 of
+itself and by about 2.5% RMS over a binade (more for values small enough to land among the
+subnormals). A product of two quantized operands therefore carries ~3.5-4% relative error per
+term, and because the errors are independent the relative Frobenius error of a whole GEMM output
+stays at that level (measured: 3.8% on Gaussian data). So FP8 against the exact product is
+checked at < 5%; FP8 against the float64 product of the *dequantized* operands (only the
+accumulation order and the bf16 output differ) at < 1%.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+from components.config import Quantize
+from components.float8 import Float8Linear, convert_to_float8
+from kernels.fp8_rowwise import E4M3_MAX, fp8_linear, quantize_rowwise, scaled_mm_rowwise
+from models.qwen3.args import Qwen3MoEArgs, get_model_args
+from models.qwen3.model import Qwen3MoE
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def test_quantize_rowwise_scales_and_range():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 48, generator=gen) * torch.tensor([1e-6, 1e-2, 1.0, 3.0, 1e4, 0.0]).unsqueeze(1)
+    q, s = quantize_rowwise(x)
+    assert q.dtype == torch.float8_e4m3fn and q.is_contiguous() and s.shape == (6, 1) and s.dtype == torch.float32
+    mantissa, _ = torch.frexp(s)
+    assert (mantissa == 0.5).all(), "scales must be powers of two"
+    assert q.float().abs().max() <= E4M3_MAX
+    assert (q[5].float() == 0).all() and torch.isfinite(s).all()  # an all-zero row
+    # Each non-zero row uses the top binade of e4m3: its amax lands in (224, 448].
+    amax_q = q[:5].float().abs().amax(dim=1)
+    assert ((amax_q > 224) & (amax_q <= 448)).all(), amax_q
+    assert rel(q.float() * s, x) < 0.05
+
+
+@pytest.mark.parametrize("M,K,N", [(64, 128, 96), (37, 40, 48)])  # K = 40 is zero-padded to 48
+def test_scaled_mm_matches_dequantized_product(M, K, N):
+    gen = torch.Generator().manual_seed(1)
+    a, b = torch.randn(M, K, generator=gen), torch.randn(N, K, generator=gen)
+    got = scaled_mm_rowwise(a, b, use_fast_accum=False)
+    assert got.dtype == torch.bfloat16 and got.shape == (M, N)
+    (qa, sa), (qb, sb) = quantize_rowwise(a), quantize_rowwise(b)
+    exact_fp8 = (qa.double() * sa.double()) @ (qb.double() * sb.double()).t()
+    assert rel(got, exact_fp8) < 1e-2
+    assert rel(got, a.double() @ b.double().t()) < 0.05
+
+
+def fp8_and_reference(x, w, dy, dtype):
+    """(y, dx, dw) of fp8_linear with x in ``dtype`` and w in float32, and of the float64 product."""
+    x_ = x.detach().to(dtype).requires_grad_()
+    w_ = w.detach().float().requires_grad_()
+    y = fp8_linear(x_, w_)
+    y.backward(dy.to(y.dtype))
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    y64 = x64 @ w64.t()
+    y64.backward(dy.double())
+    return (y, x_.grad, w_.grad), (y64, x64.grad, w64.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 24, 64, 96), (3, 7, 32, 16)])  # (B, L, K, N); 21 tokens: padded in wgrad
+def test_fp8_linear_forward_and_grads_vs_reference(dtype, shape):
+    B, L, K, N = shape
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(B, L, K, generator=gen)
+    w = torch.randn(N, K, generator=gen) / K**0.5
+    dy = torch.randn(B, L, N, generator=gen)
+    got, want = fp8_and_reference(x, w, dy, dtype)
+    assert got[0].dtype == dtype and got[1].dtype == dtype and got[2].dtype == torch.float32
+    for name, g, r in zip(["y", "dx", "dw"], got, want):
+        assert g.shape == r.shape
+        assert rel(g, r) < 0.05, f"{name}: relative error {rel(g, r):.3f}"
+
+
+def test_outlier_rows_keep_their_own_precision():
+    """Rows (tokens) 10^6 apart in magnitude: each gets its own scale, so every row of y, and of
+    dx, is as accurate as FP8 allows. One scale for the whole tensor would flush the small rows
+    to zero. (The wgrad quantizes along the tokens, so there the small tokens are flushed, as in
+    torchao's recipe; dW stays accurate because they also contribute the least to it.)"""
+    gen = torch.Generator().manual_seed(3)
+    row_scale = 10.0 ** torch.linspace(-3, 3, 32)
+    x = torch.randn(32, 64, generator=gen) * row_scale.unsqueeze(1)
+    w = torch.randn(48, 64, generator=gen) / 8
+    dy = torch.randn(32, 48, generator=gen) * row_scale.unsqueeze(1)
+    (y, dx, dw), (y64, dx64, dw64) = fp8_and_reference(x, w, dy, torch.float32)
+    for got, want in ((y, y64), (dx, dx64)):
+        per_row = (got.double() - want).norm(dim=1) / want.norm(dim=1)
+        assert per_row.max() < 0.08, per_row
+    assert rel(dw, dw64) < 0.05
+    # What a single per-tensor scale would give for the smallest rows:
+    s = x.abs().max() / E4M3_MAX
+    tensorwise = (x / s).to(torch.float8_e4m3fn).float() * s
+    assert rel(tensorwise[0], x[0]) > 0.5
+
+
+class TinyBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = Float8Linear(32, 64, bias=False)
+        self.down = Float8Linear(64, 32, bias=True)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def test_compiles_fullgraph_and_matches_eager():
+    torch.manual_seed(4)
+    block = TinyBlock()
+    x = torch.randn(2, 24, 32, requires_grad=True)
+    block(x).square().sum().backward()
+    eager = [t.grad.clone() for t in (x, *block.parameters())]
+    for t in (x, *block.parameters()):
+        t.grad = None
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    compiled(x).square().sum().backward()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    for want, t in zip(eager, (x, *block.parameters())):
+        torch.testing.assert_close(t.grad, want, rtol=0, atol=0)
+
+
+def debug_model(n_layers=2, **overrides):
+    args = get_model_args("debug", n_layers=n_layers)
+    for k, v in overrides.items():
+        setattr(args, k, v)
+    with torch.device("meta"):
+        return Qwen3MoE(args)
+
+
+def test_conversion_picks_exactly_the_attention_projections():
+    model = debug_model()
+    before = dict(model.named_parameters())
+    logs = []
+    assert convert_to_float8(model, Quantize(linear="fp8_rowwise"), log=logs.append) == 8
+    converted = {name for name, m in model.named_modules() if isinstance(m, Float8Linear)}
+    assert converted == {f"layers.{i}.attention.{p}" for i in range(2) for p in ("wq", "wk", "wv", "wo")}
+    # Parameters are the same objects under the same names (FSDP, optimizer and checkpoints see no change).
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
+    assert type(model.output) is nn.Linear and type(model.layers["0"].moe.router.gate) is nn.Linear
+    assert "8 attention projections" in logs[-1]
+    assert convert_to_float8(debug_model(), Quantize(linear="none")) == 0
+
+
+def test_conversion_skips_shapes_fp8_cannot_run():
+    model = debug_model(n_layers=1, n_heads=3, n_kv_heads=1, head_dim=8)  # q: 24 features, k and v: 8
+    logs = []
+    assert convert_to_float8(model, Quantize(linear="fp8_rowwise"), log=logs.append) == 0
+    assert sum("stays bf16" in line for line in logs) == 4
+    assert "layers.0.attention.wq stays bf16: its shape (24, 256)" in logs[0]
+
+
+def test_converted_model_matches_bf16_model():
+    """The debug model with FP8 attention projections against the same weights in float32: the
+    logits move by FP8 error only."""
+    torch.manual_seed(5)
+    args = get_model_args("debug", n_layers=1)
+    ref = Qwen3MoE(args)
+    ref.init_weights()
+    fp8 = Qwen3MoE(args)
+    fp8.load_state_dict(ref.state_dict())
+    convert_to_float8(fp8, Quantize(linear="fp8_rowwise"), log=lambda msg: None)
+    tokens = torch.randint(0, args.vocab_size, (2, 32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as the trainer runs a single process
+        logits, _ = fp8(tokens)
+    want, _ = ref(tokens)
+    assert logits.dtype == torch.bfloat16
+    assert rel(logits, want) < 0.05
+
+
+def short_run_losses(tmp_path, *extra) -> list[float]:
+    """Losses of 3 steps of the 1-layer debug model through the trainer."""
+    from tests.test_train import make_trainer, run_losses
+
+    return run_losses(make_trainer(tmp_path, "--training.steps", "3", "--model.n_layers", "1",
+                                   "--training.seq_len", "32", "--training.local_batch_size", "2", *extra))
+
+
+def test_train_with_fp8_linears(tmp_path):
+    """train.py end to end: FP8 projections follow the bf16 run's losses; so do FP8 projections
+    and FP8 experts together under full activation checkpointing + compile (fullgraph) in bf16
+    autocast."""
+    ref = short_run_losses(tmp_path)
+    got = short_run_losses(tmp_path, "--quantize.linear", "fp8_rowwise")
+    assert all(math.isfinite(v) for v in got)
+    assert got == pytest.approx(ref, rel=1e-2)
+    got = short_run_losses(tmp_path, "--quantize.linear", "fp8_rowwise", "--quantize.moe", "fp8_rowwise",
+                           "--activation_checkpoint.mode", "full", "--compile.enable", "--compile.backend", "aot_eager",
+                           "--training.mixed_precision_param", "bfloat16")
+    assert got == pytest.approx(ref, rel=1e-2)
+
+
+def test_train_main_with_fp8_linears_and_experts(tmp_path, capsys):
+    from train import main
+
+    args = ["--config", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path), "--training.steps", "2",
+            "--model.n_layers", "1", "--training.seq_len", "32", "--training.local_batch_size", "2",
+            "--metrics.log_freq", "1", "--quantize.linear", "fp8_rowwise", "--quantize.moe", "fp8_rowwise"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "4 attention projections run in FP8" in out
+    assert "step:     2  loss:" in out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU with FP8 (sm_89+)")
+@pytest.mark.parametrize("M,K,N", [(1000, 256, 384), (4096, 2048, 512)])
+def test_fp8_linear_cuda(M, K, N):
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(M, K, generator=gen)
+    w = torch.randn(N, K, generator=gen) / K**0.5
+    dy = torch.randn(M, N, generator=gen)
+    x_ = x.cuda().bfloat16().requires_grad_()
+    w_ = w.cuda().bfloat16().requires_grad_()
+    y = fp8_linear(x_, w_)
+    y.backward(dy.cuda().bfloat16())
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    y64 = x64 @ w64.t()
+    y64.backward(dy.double())
+    for name, g, r in zip(["y", "dx", "dw"], (y, x_.grad, w_.grad), (y64, x64.grad, w64.grad)):
+        assert rel(g.cpu(), r) < 0.05, f"{name}: relative error {rel(g.cpu(), r):.3f}"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="multi-process tests use gloo on Linux")
+def test_fsdp2_trains_like_one_process(tmp_path):
+    """FSDP2 over 2 CPU ranks with FP8 linears and FP8 experts against one process taking the
+    same micro-batches in turn: the FP8 weights stay plain parameters that FSDP shards. (Each rank
+    quantizes its own micro-batch exactly as the single process does; only the gradient reduction
+    order differs, hence float32-level tolerances.)"""
+    from components.config import parse_args
+    from tests.test_distributed import BASE, full_state, global_batches, run_steps, spawn
+    from train import Trainer
+
+    fp8 = ["--quantize.linear", "fp8_rowwise", "--quantize.moe", "fp8_rowwise"]
+    single = Trainer(parse_args(BASE + fp8 + ["--training.global_batch_size", "4"]))
+    init = str(tmp_path / "init.pt")
+    torch.save(full_state(single.model), init)
+    losses = run_steps(single, global_batches(2), 2, accumulate=True)
+    got = spawn(2, fp8 + ["--parallelism.data_parallel_shard_degree", "2"], init, str(tmp_path / "out.pt"))
+    assert got["losses"] == pytest.approx(losses, rel=1e-4)
+    for name, value in full_state(single.model).items():
+        torch.testing.assert_close(got["state"][name], value, rtol=1e-3, atol=1e-4, msg=lambda m: f"{name}: {m}")

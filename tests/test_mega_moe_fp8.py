@@ -1,0 +1,313 @@
+"""Tests of the ``mega_fp8`` MoE backend (kernels/mega_moe_fp8): the whole routed-expert MoE in
+block-scaled FP8, forward and backward.
+
+Without a GPU the Triton kernels run on CPU tensors through the Triton interpreter (bf16, small
+shapes); with one, the same tests run on it, plus one at the Qwen3-30B expert shape. Two oracles:
+
+- FP8 level, against the unquantized float64 ``moe_reference``: relative Frobenius error of y and of
+  all five gradients below ``FP8_BOUND`` = 8%. Why 8%: e4m3 keeps 3 mantissa bits, so rounding a
+  Gaussian operand in 1 x 128 / 128 x 128 tiles costs ~2.5-3% rms relative error (test_fp8.py bounds
+  one GEMM at 6%); every output here composes four or five such roundings in quadrature (y: x, w1/w3,
+  A, w2; dx: dy, w2, dH, w1/w3), which measures 5.5-7% at these shapes. The routing-weight
+  gradient gets ``DS_BOUND`` = 12%: it is only T*K scalars, each an inner product over F, so its
+  norm ratio is a noisy estimate (3.8-10% seen over seeds at T*K = 33).
+- tight, against ``kernels/mega_moe_fp8/reference.py``: the same quantized pipeline with float64
+  GEMMs, fed the op's own saved H and routing metadata. The kernels quantize bit-identically, so
+  what differs is fp32 accumulation order and the final bf16 roundings (and, under the interpreter,
+  its fp32 -> bf16 cast in the shared ``sum_over_k`` and bf16 wgrad kernels, which truncates):
+  within one bf16 ulp per element, ``TIGHT_BOUND`` in Frobenius norm.
+
+Inputs are fresh random draws each run; the seed is in every failure message.
+"""
+
+import os
+import time
+
+import torch
+
+_HAS_CUDA = torch.cuda.is_available()
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton")
+from kernels import get_moe_backend, resolve_moe_backend  # noqa: E402
+from kernels.fp8 import quant as Q  # noqa: E402
+from kernels.mega_moe_fp8 import MegaFP8Options, mega_moe_fp8, options  # noqa: E402
+from kernels.mega_moe_fp8 import backward as B  # noqa: E402
+from kernels.mega_moe_fp8.reference import mega_moe_fp8_backward_ref, mega_moe_fp8_forward_ref  # noqa: E402
+from kernels.moe_reference import moe_reference  # noqa: E402
+
+if not _HAS_CUDA and not type(B._fp8_dh_kernel).__name__ == "InterpretedFunction":
+    pytest.skip(
+        "kernels.mega_moe_fp8 was imported before TRITON_INTERPRET=1 was set; run this file alone or "
+        "export TRITON_INTERPRET=1",
+        allow_module_level=True,
+    )
+
+DEVICE = "cuda" if _HAS_CUDA else "cpu"
+BF16 = torch.bfloat16
+FP8_BOUND = 0.08
+DS_BOUND = 0.12
+TIGHT_BOUND = 5e-3
+GRADS = ("x", "topk_weights", "w1", "w3", "w2")
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
+    # The interpreter's sigmoid of a very negative gate (outlier rows) overflows exp to inf: -> 0.
+    pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning"),
+]
+
+
+def _seed() -> int:
+    seed = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    return seed
+
+
+def _rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _routing(T, K, E, kind):
+    """(topk_ids_TK int64, topk_weights_TK fp32) for a routing pattern named by ``kind``."""
+    if kind == "empty_expert":  # experts 0 and E-1 receive nothing
+        ids = 1 + torch.rand(T, E - 2, device=DEVICE).argsort(dim=1)[:, :K]
+    elif kind == "one_expert":  # every slot on one expert (ids repeat within a token)
+        ids = torch.full((T, K), E // 2, device=DEVICE, dtype=torch.int64)
+    else:  # "random", "empty_slots": distinct experts per token, as a top-k router gives
+        ids = torch.rand(T, E, device=DEVICE).argsort(dim=1)[:, :K]
+    weights = torch.randn(T, K, device=DEVICE).softmax(dim=-1)
+    if kind == "empty_slots":  # expert parallelism's padding: id -1, weight garbage (here NaN)
+        empty = torch.rand(T, K, device=DEVICE) < 0.3
+        ids[empty] = -1
+        weights[empty] = float("nan")
+    return ids.contiguous(), weights
+
+
+def _inputs(T, K, E, D, F, kind, outliers=False):
+    x = torch.randn(T, D, device=DEVICE)
+    if outliers:
+        x[torch.randperm(T, device=DEVICE)[:3]] *= 100
+    ids, s = _routing(T, K, E, kind)
+    w1 = torch.randn(E, F, D, device=DEVICE) / D**0.5
+    w3 = torch.randn(E, F, D, device=DEVICE) / D**0.5
+    w2 = torch.randn(E, D, F, device=DEVICE) / F**0.5
+    dy = torch.randn(T, D, device=DEVICE)
+    x, w1, w3, w2, dy = (t.to(BF16) for t in (x, w1, w3, w2, dy))
+    return x, ids, s, w1, w3, w2, dy
+
+
+def _assert_tight(got, want, name, msg):
+    """Within one bf16 ulp (2^-7 relative) per element, up to rare flips; TIGHT_BOUND in norm."""
+    got, want = got.double(), want.double()
+    assert torch.isfinite(got).all(), f"{name} not finite; {msg}"
+    rel = _rel(got, want)
+    assert rel < TIGHT_BOUND, f"{name}: {rel:.2e} from the quantized-pipeline reference; {msg}"
+    beyond_ulp = ((got - want).abs() > 2.0**-7 * want.abs() + 1e-6 * want.abs().max()).double().mean().item()
+    assert beyond_ulp < 1e-3, f"{name}: {beyond_ulp:.1e} of the entries differ by more than a bf16 ulp; {msg}"
+
+
+def _check(T, K, E, D, F, kind, outliers=False, wgrad="fp8", pow2=False, dh_quant=False):
+    """One forward + backward through the op's autograd; FP8-level and tight checks of everything."""
+    seed = _seed()
+    x, ids, s, w1, w3, w2, dy = _inputs(T, K, E, D, F, kind, outliers)
+    msg = f"seed={seed} T={T} K={K} E={E} D={D} F={F} {kind} outliers={outliers} wgrad={wgrad} pow2={pow2}"
+    leaves = [t.clone().requires_grad_() for t in (x, s, w1, w3, w2)]
+    # Through the custom op itself (what mega_moe_fp8 calls) so that H and the routing metadata are
+    # at hand for the tight reference.
+    y, h, slots, offs = torch.ops.mega_moe_fp8.forward(leaves[0], ids, *leaves[1:], wgrad, pow2)
+    grads = torch.autograd.grad(y, leaves, dy)
+    assert y.dtype == BF16 and y.shape == (T, D), msg
+    for name, g, leaf in zip(GRADS, grads, leaves):
+        assert g.dtype == leaf.dtype and g.shape == leaf.shape, f"d{name}: {g.dtype} {tuple(g.shape)}; {msg}"
+
+    valid = ids >= 0
+    s_ref = torch.where(valid, s, 0.0)  # the oracle multiplies every slot's weight, even unused ones
+    ref_leaves = [t.detach().double().requires_grad_() for t in (x, s_ref, w1, w3, w2)]
+    y_ref = moe_reference(ref_leaves[0], ids, *ref_leaves[1:])
+    ref_grads = torch.autograd.grad(y_ref, ref_leaves, dy.double())
+    for name, g in zip(GRADS, grads):
+        assert torch.isfinite(g).all(), f"d{name} not finite; {msg}"
+    if not outliers:
+        errors = {"y": _rel(y, y_ref), **{f"d{n}": _rel(g, r) for n, g, r in zip(GRADS, grads, ref_grads)}}
+    else:
+        # Rows of x scaled by 100 have gates ~100x larger, so FP8's ~3.5% relative error in a gate is
+        # an absolute error of several units, as wide as silu's bend: silu'(g) there is off by O(1).
+        # That error is the math of quantizing those rows (the bf16 op is off by ~1% there), not
+        # the kernels (the tight checks below hold), and it dominates ds, dW and those rows' dx.
+        # What 1 x 128 tiles must guarantee is that the other rows do not suffer.
+        normal = x.float().abs().amax(1) < 20
+        errors = {"y": _rel(y, y_ref), "dx (rows without outliers)": _rel(grads[0][normal], ref_grads[0][normal])}
+    bounds = {"dtopk_weights": DS_BOUND}
+    assert all(e < bounds.get(k, FP8_BOUND) for k, e in errors.items()), f"vs unquantized: {errors}; {msg}"
+
+    y_q, h_q, _, _ = mega_moe_fp8_forward_ref(x, ids, s, w1, w3, w2, pow2)
+    _assert_tight(y, y_q, "y", msg)
+    n = int(offs[-1])  # rows past n are empty slots, never written
+    _assert_tight(h[:n], h_q[:n], "H", msg)
+    want = mega_moe_fp8_backward_ref(dy, x, s, w1, w3, w2, h, slots, offs, wgrad, pow2)
+    for name, g, w in zip(("x", "w1", "w3", "w2", "topk_weights"), (grads[0], *grads[2:], grads[1]), want):
+        _assert_tight(g, w, f"d{name}", msg)
+
+    if dh_quant:
+        _check_dh_quantization(dy, w2, h, s, slots, offs, msg)
+    assert (grads[1][~valid] == 0).all(), f"empty slots got routing-weight grads; {msg}"
+    counts = torch.bincount(ids[valid].flatten(), minlength=E)
+    for e in torch.nonzero(counts == 0).flatten().tolist():
+        for name, g in zip(GRADS[2:], grads[2:]):
+            assert (g[e] == 0).all(), f"d{name}[{e}] of an empty expert is not zero; {msg}"
+    return errors
+
+
+def _check_dh_quantization(dy, w2, h, s, slots, offs, msg):
+    """The dH epilogue's e4m3 copy == quantize_rowwise of each stored half, bit for bit, with zero
+    padding between the halves when F is not a multiple of 128."""
+    F = h.shape[1] // 2
+    FP = triton.cdiv(F, 128) * 128
+    dy_q, dy_s = Q.quantize_rowwise(dy)
+    w2_q, w2_s = Q.quantize_weight(w2)
+    dh, (dh_q, dh_s), _, _ = B.dh_swiglu(dy_q, dy_s, B._transposed(w2_q), w2_s.mT.contiguous(), h, s, slots, offs)
+    n = int(offs[-1])
+    for half, col in ((dh[:n, :F], 0), (dh[:n, F:], FP)):
+        q, sc = Q.quantize_rowwise(half.contiguous())
+        assert torch.equal(dh_q[:n, col : col + F].view(torch.uint8), q.view(torch.uint8)), f"dH e4m3; {msg}"
+        assert torch.equal(dh_s[:n, col // 128 : (col + FP) // 128], sc), f"dH scales; {msg}"
+        assert (dh_q[:n, col + F : col + FP].view(torch.uint8) == 0).all(), f"dH padding not zero; {msg}"
+
+
+# (T, K, E, D, F, routing, outliers, options): T never a multiple of the 16- or 128-row tiles.
+_CASES = [
+    pytest.param(40, 2, 4, 256, 128, "random", False, {}, id="T40-top2"),
+    pytest.param(33, 1, 4, 256, 256, "one_expert", False, dict(pow2=True), id="T33-top1-all-to-one-F256-pow2"),
+    pytest.param(16, 8, 8, 128, 128, "random", False, {}, id="T16-top8-E8"),
+    pytest.param(37, 2, 4, 256, 128, "random", True, {}, id="T37-top2-outliers"),
+    pytest.param(41, 2, 4, 128, 128, "empty_slots", False, dict(wgrad="bf16"), id="T41-top2-emptyslots-bf16wgrad"),
+    pytest.param(21, 2, 4, 200, 192, "empty_expert", False, dict(dh_quant=True), id="T21-D200-F192-emptyexperts"),
+]
+
+
+@pytest.mark.parametrize("T,K,E,D,F,kind,outliers,opts", _CASES)
+def test_forward_backward(T, K, E, D, F, kind, outliers, opts):
+    """Output and the five gradients: FP8-level vs the unquantized oracle, tight vs the quantized
+    pipeline. Covers: experts with no tokens (one_expert, empty_expert), all slots on one expert
+    (ids repeated in a token), empty slots whose weights are NaN (never read), outlier rows, partial
+    scale tiles in D and F, power-of-two scales, the bf16 weight-gradient option."""
+    _check(T, K, E, D, F, kind, outliers, **opts)
+
+
+def test_compile_fullgraph():
+    """One node each way under torch.compile(fullgraph=True): no graph break, same numbers."""
+    seed = _seed()
+    x, ids, s, w1, w3, w2, _ = _inputs(6, 2, 2, 128, 128, "random")
+
+    def layer(x, ids, s, w1, w3, w2):
+        return get_moe_backend("mega_fp8")(x * 2.0, ids, s, w1, w3, w2).float().square().sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="aot_eager" if not _HAS_CUDA else "inductor", fullgraph=True)
+    results = []
+    for fn in (layer, compiled):
+        leaves = [t.clone().requires_grad_() for t in (x, s, w1, w3, w2)]
+        loss = fn(leaves[0], ids, *leaves[1:])
+        results.append([loss, *torch.autograd.grad(loss, leaves)])
+    tol = 0.0 if not _HAS_CUDA else 2e-2  # inductor may fuse the elementwise ops around the op
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=lambda m: f"seed={seed}: {m}")
+
+
+def test_options():
+    assert MegaFP8Options() == MegaFP8Options(wgrad="fp8", pow2_scales=False)
+    with options(wgrad="bf16") as opts:
+        assert opts.wgrad == "bf16"
+    assert mega_moe_fp8.__module__ == "kernels.mega_moe_fp8.op"
+    with pytest.raises(ValueError, match="wgrad must be one of"):
+        MegaFP8Options(wgrad="fp16")
+
+
+def _good_inputs(device=DEVICE):
+    x, ids, s, w1, w3, w2, _ = _inputs(3, 2, 4, 256, 128, "random")
+    return [t.to(device) for t in (x, ids, s, w1, w3, w2)]
+
+
+@pytest.mark.parametrize(
+    "change,error,pattern",
+    [
+        (lambda a: a.__setitem__(0, a[0].float()), TypeError, "mega_fp8: x_TD has dtype torch.float32.*bfloat16"),
+        (lambda a: a.__setitem__(3, a[3].half()), TypeError, "mega_fp8: w1_EFD has dtype torch.float16"),
+        (lambda a: a.__setitem__(0, a[0][None]), ValueError, "x_TD must be 2-D"),
+        (lambda a: a.__setitem__(1, a[1][:2]), ValueError, "topk_ids_TK must have shape"),
+        (lambda a: a.__setitem__(5, a[5].transpose(1, 2)), ValueError, "w2_EDF must have shape"),
+    ],
+)
+def test_input_errors(change, error, pattern):
+    args = _good_inputs()
+    change(args)
+    with pytest.raises(error, match=pattern):
+        mega_moe_fp8(*args)
+
+
+def test_cpu_without_interpreter_is_refused(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        mega_moe_fp8(*_good_inputs(device="cpu"))
+
+
+# --------------------------------------------------------------------------------------------------
+# registry, trainer, benchmark
+# --------------------------------------------------------------------------------------------------
+
+
+def test_registry_and_trainer_config():
+    """[moe] backend = "mega" + [quantize] moe = "fp8_blockwise" resolves to this backend, and the
+    trainer's start-up check accepts it."""
+    from components.config import parse_args
+    from train import check_implemented
+
+    assert resolve_moe_backend("mega", "fp8_blockwise") == "mega_fp8"
+    assert get_moe_backend("mega_fp8") is mega_moe_fp8
+    cfg = parse_args(["--config", "train_configs/debug_model.toml", "--moe.backend", "mega",
+                      "--quantize.moe", "fp8_blockwise"])
+    check_implemented(cfg)
+
+
+def test_trains_end_to_end(tmp_path, capsys):
+    """train.py main, debug model (D 256, F 128: whole scale tiles) with the FP8 MoE for two steps;
+    bf16 compute (the FP8 backend takes bf16 only). main returns 1 on a non-finite loss."""
+    from train import main
+
+    rc = main(["--config", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path),
+               "--moe.backend", "mega", "--quantize.moe", "fp8_blockwise",
+               "--training.mixed_precision_param", "bfloat16", "--model.n_layers", "1",
+               "--training.seq_len", "8", "--training.local_batch_size", "2", "--training.steps", "2",
+               "--metrics.log_freq", "1"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "step:     2" in out.out, out.out
+
+
+def test_bench_code_paths():
+    """bench/fp8_kernels.py's op timing, run at a tiny size with a wall-clock timer (GPU: CUDA events)."""
+    from bench import fp8_kernels
+
+    def wall_ms(fn, iters, warmup=0):
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+
+    rows = fp8_kernels.time_moe_ops(T=8, top_k=2, E=2, shapes={"tiny": (128, 128)}, iters=1,
+                                    device=DEVICE, timer=wall_ms if not _HAS_CUDA else None)
+    assert len(rows) == 1 and "mega_fp8" in rows[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU only: the hardware path at the Qwen3-30B expert shape
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not _HAS_CUDA, reason="needs a CUDA GPU (H200)")
+def test_gpu_30b_shape():
+    errors = _check(2048, 8, 128, 2048, 768, "random")
+    assert errors["y"] < 0.07, errors
