@@ -200,13 +200,16 @@ def sweep_kernels(inputs, iters, flop_unit):
 def config_variant(name: str, D: int, F: int, E: int) -> MegaMoEConfigs:
     """The default configs with named changes, '+'-joined: wgrad_gmm (weight gradients through
     torch._grouped_mm), wgrad_triton, dh_gmm / dh_triton (dA' by torch._grouped_mm + an elementwise
-    SwiGLU backward, or the fused dh kernel), down_persistent / down_plain (persistent grid or not)."""
+    SwiGLU backward, or the fused dh kernel), dx_gmm / dx_triton (dX by two torch._grouped_mm and a
+    gather-sum over k, or the dx kernel), down_persistent / down_plain (persistent grid or not)."""
     configs = get_configs(D, F, E)
     for part in name.split("+"):
         if part == "default":
             continue
         elif part in ("wgrad_gmm", "wgrad_triton"):
             configs = dataclasses.replace(configs, wgrad="grouped_mm" if part == "wgrad_gmm" else "triton")
+        elif part in ("dx_gmm", "dx_triton"):
+            configs = dataclasses.replace(configs, dx_gemm="grouped_mm" if part == "dx_gmm" else "triton")
         elif part in ("dh_gmm", "dh_triton"):
             configs = dataclasses.replace(configs, dh_gemm="grouped_mm" if part == "dh_gmm" else "triton")
         elif part in ("down_persistent", "down_plain"):

@@ -165,15 +165,17 @@ def test_dh_epilogue_split(split):
         _check_against_reference(T, K, E, D, F, "random", dtype, tol, _seed())
 
 
-@pytest.mark.parametrize("wgrad,dh_gemm", [("grouped_mm", "triton"), ("triton", "grouped_mm"),
-                                            ("grouped_mm", "grouped_mm")])
+@pytest.mark.parametrize("wgrad,dh_gemm,dx_gemm", [
+    ("grouped_mm", "triton", "triton"), ("triton", "grouped_mm", "triton"), ("triton", "triton", "grouped_mm"),
+    ("grouped_mm", "grouped_mm", "grouped_mm"),
+])
 @pytest.mark.parametrize("kind", ["random", "empty_expert", "one_expert", "empty_slots"])
-def test_grouped_mm_paths(kind, wgrad, dh_gemm):
-    """Weight gradients and/or dA' through torch._grouped_mm on the expert-sorted dy and x copies
-    (MegaMoEConfigs.wgrad, .dh_gemm), the SwiGLU backward then as its own kernel."""
+def test_grouped_mm_paths(kind, wgrad, dh_gemm, dx_gemm):
+    """Weight gradients, dA' and/or dX through torch._grouped_mm on expert-sorted rows
+    (MegaMoEConfigs.wgrad, .dh_gemm, .dx_gemm), the SwiGLU backward then as its own kernel."""
     T, K, E, D, F = (33, 2, 4, 32, 48) if not _HAS_CUDA else (1000, 8, 16, 256, 384)
     dtype, tol = (torch.float32, 1e-5) if not _HAS_CUDA else (torch.bfloat16, 2e-2)
-    configs = dataclasses.replace(get_configs(D, F, E, dtype), wgrad=wgrad, dh_gemm=dh_gemm)
+    configs = dataclasses.replace(get_configs(D, F, E, dtype), wgrad=wgrad, dh_gemm=dh_gemm, dx_gemm=dx_gemm)
     with override_configs(configs):
         _check_against_reference(T, K, E, D, F, kind, dtype, tol, _seed())
 

@@ -505,13 +505,16 @@ def moe_backward(
             dy_TD, w2_EDF, h_N2F, topk_weights_TK, sorted_slot_N, offsets_E1, configs.dh, tiles,
             store_sa=not configs.dw2_from_h,
         )  # fmt: skip
-    if configs.dx.block_m != configs.dh.block_m:
-        tiles = None
-    dxbuf_ND = dx_slots(dh_N2F, w1_EFD, w3_EFD, sorted_slot_N, offsets_E1, configs.dx, tiles)
     # Empty slots' rows lie past every expert's tiles: skipped in the sum, zeroed in ds.
     valid_N = valid_slots(sorted_slot_N, offsets_E1)
-    dx_TD = sum_over_k(dxbuf_ND, T, K, valid_N)
-    del dxbuf_ND
+    if use_grouped_mm(configs.dx_gemm, "dx_gemm", x_TD):
+        dx_TD = dx_grouped_mm(dh_N2F, w1_EFD, w3_EFD, sorted_slot_N, offsets_E1, valid_N, K)
+    else:
+        if configs.dx.block_m != configs.dh.block_m:
+            tiles = None
+        dxbuf_ND = dx_slots(dh_N2F, w1_EFD, w3_EFD, sorted_slot_N, offsets_E1, configs.dx, tiles)
+        dx_TD = sum_over_k(dxbuf_ND, T, K, valid_N)
+        del dxbuf_ND
     ds_TK = torch.where(valid_N.view(T, K) != 0, ds_TK, 0.0)
     if gmm_wgrad:
         ends_E = offsets_E1[1:]
@@ -527,6 +530,27 @@ def moe_backward(
     del dh_N2F
     dw2_EDF = dw2(dy_TD, h_N2F, topk_weights_TK, sa_NF, sorted_slot_N, offsets_E1, E, configs.dw2)
     return dx_TD, dw1_EFD, dw3_EFD, dw2_EDF, ds_TK
+
+
+def dx_grouped_mm(
+    dh_N2F: torch.Tensor,
+    w1_EFD: torch.Tensor,
+    w3_EFD: torch.Tensor,
+    sorted_slot_N: torch.Tensor,
+    offsets_E1: torch.Tensor,
+    valid_N: torch.Tensor,
+    top_k: int,
+) -> torch.Tensor:
+    """dx[t] = sum_k (dgate @ w1[e] + dup @ w3[e]) of slot t*K+k, the two products by cuBLAS into
+    expert-sorted rows, then one deterministic gather-sum over k of both buffers."""
+    N, F = dh_N2F.shape[0], dh_N2F.shape[1] // 2
+    ends_E = offsets_E1[1:]
+    dxg_ND = _row_grouped_mm(dh_N2F[:, :F], w1_EFD, ends_E)
+    dxu_ND = _row_grouped_mm(dh_N2F[:, F:], w3_EFD, ends_E)
+    # row_of_slot[sorted_slot[r]] = r: where each (token, k) slot's row landed.
+    row_of_slot_N = torch.empty_like(sorted_slot_N).scatter_(
+        0, sorted_slot_N.long(), torch.arange(N, device=sorted_slot_N.device, dtype=sorted_slot_N.dtype))
+    return sum_over_k(dxg_ND, N // top_k, top_k, valid_N, row_of_slot_N=row_of_slot_N, buf2_ND=dxu_ND)
 
 
 def dh_grouped_mm(
@@ -565,7 +589,8 @@ def use_grouped_mm(choice: str, name: str, x_TD: torch.Tensor) -> bool:
 
 
 def _row_grouped_mm(a_ND: torch.Tensor, b_EDF: torch.Tensor, ends_E: torch.Tensor) -> torch.Tensor:
-    """out[rows of e] = a[rows of e] @ b[e]: (N, F); rows past ends[-1] are left undefined."""
+    """out[rows of e] = a[rows of e] @ b[e]: (N, D) x (E, D, F) -> (N, F); rows past ends[-1] are
+    left undefined."""
     if a_ND.is_cuda:
         return torch._grouped_mm(a_ND, b_EDF, offs=ends_E)
     ends = ends_E.tolist()

@@ -62,6 +62,11 @@ class MegaMoEConfigs:
     # copy (made for the weight gradients anyway) followed by the same SwiGLU backward as a separate
     # elementwise kernel. bf16 on CUDA (and CPU tests) only, like ``wgrad``.
     dh_gemm: str = "triton"
+    # dX: "triton" = the dx kernel (per-slot rows, then a sum over k); "grouped_mm" = two
+    # torch._grouped_mm (dgate @ w1[e], dup @ w3[e]) into expert-sorted rows, then one gather-sum over
+    # k of both buffers by each slot's row. Not yet measured on the GPU (predicted -0.3 ms at 30B,
+    # bench/NOTES.md); bf16 on CUDA (and CPU tests) only.
+    dx_gemm: str = "triton"
 
 
 # Best of the sweeps in bench/mega_moe_gpu.py on one H200 (torch 2.11, triton 3.6); the same configs
