@@ -214,7 +214,7 @@ def test_tensorboard_scalars_are_written(tmp_path):
 
 
 def test_fp8_blockwise_refused_on_gpu_until_verified(monkeypatch):
-    """The FP8 mega kernels gave wrong outputs in their first GPU run: the trainer refuses them on
+    """The FP8 mega kernels failed their first GPU tests: the trainer refuses them on
     a GPU (with a developer override), while the interpreter tests keep running them on CPU."""
     from train import check_implemented
 
@@ -222,7 +222,7 @@ def test_fp8_blockwise_refused_on_gpu_until_verified(monkeypatch):
     cfg.moe.backend, cfg.quantize.moe = "mega", "fp8_blockwise"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.delenv("MEGA_MOE_FP8_UNVERIFIED", raising=False)
-    with pytest.raises(ConfigError, match="not yet correct on the GPU"):
+    with pytest.raises(ConfigError, match="not yet verified on the GPU"):
         check_implemented(cfg)
     monkeypatch.setenv("MEGA_MOE_FP8_UNVERIFIED", "1")
     check_implemented(cfg)
