@@ -571,6 +571,11 @@ def environment() -> dict[str, Any]:
         env["gpu"], env["driver"] = (x.strip() for x in out.split(","))
     except (OSError, subprocess.SubprocessError, IndexError, ValueError):
         env["gpu"] = "no GPU found by nvidia-smi"
+    if os.environ.get("BENCH_COMMIT"):
+        # A copy of the tree on another machine may carry a stale .git (seen on the lent GPU
+        # machine): the caller names the commit it sent.
+        env["commit"] = os.environ["BENCH_COMMIT"]
+        return env
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                                 timeout=10).stdout.strip()
