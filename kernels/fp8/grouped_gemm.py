@@ -45,6 +45,7 @@ from kernels.fp8.quant import (
     scale_from_amax,
     to_e4m3_bits,
 )
+from kernels.mega_moe.common import expert_tile, tile_rows
 from kernels.mega_moe.routing import max_tiles, tile_table
 
 
@@ -74,13 +75,13 @@ def _check_scales(s: torch.Tensor, shape: tuple[int, ...], name: str) -> None:
 
 
 @triton.jit
-def _a_rows(sorted_slot_ptr, rows, rmask, row0, K_TOP, GATHER: tl.constexpr):
+def _a_rows(sorted_slot_ptr, rows, rmask, safe_rows, K_TOP, GATHER: tl.constexpr):
     """Source rows of A for GEMM rows ``rows``; rows past the expert's end read a valid row."""
     if GATHER:
         slot = tl.load(sorted_slot_ptr + rows, mask=rmask, other=0)
         src = slot // K_TOP
     else:
-        src = tl.where(rmask, rows, row0)
+        src = safe_rows
     return src.to(tl.int64)
 
 
@@ -127,14 +128,10 @@ def _fp8_gemm_kernel(
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m = pid // num_n
     pid_n = pid % num_n
-    expert = tl.load(table_ptr + pid_m)
+    expert, rows, rmask, safe_rows = tile_rows(table_ptr, offsets_ptr, num_tiles, pid_m, BLOCK_M)
     if expert < 0:
         return
-    row0 = tl.load(table_ptr + num_tiles + pid_m)
-    row_end = tl.load(offsets_ptr + expert + 1)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    rmask = rows < row_end
-    src = _a_rows(sorted_slot_ptr, rows, rmask, row0, K_TOP, GATHER)
+    src = _a_rows(sorted_slot_ptr, rows, rmask, safe_rows, K_TOP, GATHER)
 
     KB = tl.cdiv(K, 128)
     NB = tl.cdiv(N, 128)
@@ -199,14 +196,10 @@ def _fp8_gate_up_kernel(
     num_n = tl.cdiv(F, BLOCK_N)
     pid_m = pid // num_n
     pid_n = pid % num_n
-    expert = tl.load(table_ptr + pid_m)
+    expert, rows, rmask, safe_rows = tile_rows(table_ptr, offsets_ptr, num_tiles, pid_m, BLOCK_M)
     if expert < 0:
         return
-    row0 = tl.load(table_ptr + num_tiles + pid_m)
-    row_end = tl.load(offsets_ptr + expert + 1)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    rmask = rows < row_end
-    src = _a_rows(sorted_slot_ptr, rows, rmask, row0, K_TOP, True)
+    src = _a_rows(sorted_slot_ptr, rows, rmask, safe_rows, K_TOP, True)
 
     DB = tl.cdiv(D, 128)
     FB = tl.cdiv(F, 128)
@@ -424,20 +417,9 @@ def _fp8_wgrad_kernel(
     BLOCK_N: tl.constexpr,
     SOFT: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(NCOL, BLOCK_N)
-    expert = pid // (num_m * num_n)
-    pid_mn = pid % (num_m * num_n)
-    pid_m = pid_mn // num_n
-    pid_n = pid_mn % num_n
-    start = tl.load(offsets_ptr + expert)
-    end = tl.load(offsets_ptr + expert + 1)
+    expert, offs_m, offs_n, start, end = expert_tile(tl.program_id(0), M, NCOL, offsets_ptr, BLOCK_M, BLOCK_N)
     t0 = tl.load(tile_offsets_ptr + expert)
     t1 = tl.load(tile_offsets_ptr + expert + 1)
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m_ld = (offs_m % M).to(tl.int64)
     offs_n_ld = (offs_n % NCOL).to(tl.int64)
     offs_r = tl.arange(0, 128)

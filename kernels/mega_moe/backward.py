@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from kernels.mega_moe.common import (
+    expert_tile,
     launch_flags,
     launch_options,
     m_tiled_launch,
@@ -252,21 +253,10 @@ def _dw13_kernel(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(2 * F, BLOCK_M)
-    num_n = tl.cdiv(D, BLOCK_N)
-    expert = pid // (num_m * num_n)
-    pid_mn = pid % (num_m * num_n)
-    pid_m = pid_mn // num_n
-    pid_n = pid_mn % num_n
-    start = tl.load(offsets_ptr + expert)
-    end = tl.load(offsets_ptr + expert + 1)
-
-    # One accumulator over [dgate | dup] rather than one per half: a (BLOCK_M + BLOCK_N) x BLOCK_K
-    # operand load feeds a BLOCK_M x BLOCK_N tile, so a 128 x 256 tile reads 85 FLOP per byte from
-    # L2 where two 128 x 64 accumulators sharing x read 51 (L2 bandwidth bounded the old kernel).
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    expert, offs_m, offs_n, start, end = expert_tile(tl.program_id(0), 2 * F, D, offsets_ptr, BLOCK_M, BLOCK_N)
+    # One accumulator over [dgate | dup] rather than one per half: one store path, and any tile
+    # height. It measured as fast as two accumulators sharing x (BENCHMARKS Run 5); the larger
+    # tiles it allows were slower there.
     offs_m_ld = offs_m % (2 * F)
     offs_n_ld = offs_n % D
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -310,18 +300,7 @@ def _dw2_kernel(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(D, BLOCK_M)
-    num_n = tl.cdiv(F, BLOCK_N)
-    expert = pid // (num_m * num_n)
-    pid_mn = pid % (num_m * num_n)
-    pid_m = pid_mn // num_n
-    pid_n = pid_mn % num_n
-    start = tl.load(offsets_ptr + expert)
-    end = tl.load(offsets_ptr + expert + 1)
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    expert, offs_m, offs_n, start, end = expert_tile(tl.program_id(0), D, F, offsets_ptr, BLOCK_M, BLOCK_N)
     offs_m_ld = offs_m % D
     offs_n_ld = offs_n % F
     dtype = dw2_ptr.dtype.element_ty

@@ -30,6 +30,21 @@ def mma(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
+def expert_tile(pid, M, N, offsets_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program ``pid`` of a K-grouped (weight-gradient) GEMM over E x cdiv(M, BLOCK_M) x
+    cdiv(N, BLOCK_N) output tiles, expert slowest: (expert, offs_m, offs_n, first row, end row)."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    expert = pid // (num_m * num_n)
+    pid_mn = pid % (num_m * num_n)
+    offs_m = (pid_mn // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = (pid_mn % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    start = tl.load(offsets_ptr + expert)
+    end = tl.load(offsets_ptr + expert + 1)
+    return expert, offs_m, offs_n, start, end
+
+
+@triton.jit
 def tile_rows(table_ptr, offsets_ptr, num_tiles, pid_m, BLOCK_M: tl.constexpr):
     """Rows of M-tile ``pid_m`` from the tile table: (expert, rows, row mask, safe rows).
 
