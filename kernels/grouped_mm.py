@@ -34,7 +34,7 @@ def _aligned16(*tensors: torch.Tensor) -> bool:
     return all(stride == 1 or stride * t.element_size() % 16 == 0 for t in tensors for stride in t.stride())
 
 
-def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """``torch._grouped_mm`` with offsets, in its two layouts.
 
     (N, K) x (E, K, M) -> (N, M): rows [offs[e-1], offs[e]) of a times b[e].
@@ -103,7 +103,7 @@ def moe_grouped_mm(
     K = topk_ids_TK.shape[1]
     sorted_slots_N, offs_E = route_by_expert(topk_ids_TK, w1_EFD.shape[0])
     x_ND = x_TD[sorted_slots_N // K]
-    gate_NF = _grouped_mm(x_ND, w1_EFD.transpose(-2, -1), offs_E)
-    up_NF = _grouped_mm(x_ND, w3_EFD.transpose(-2, -1), offs_E)
-    out_ND = _grouped_mm(F.silu(gate_NF) * up_NF, w2_EDF.transpose(-2, -1), offs_E)
+    gate_NF = grouped_mm(x_ND, w1_EFD.transpose(-2, -1), offs_E)
+    up_NF = grouped_mm(x_ND, w3_EFD.transpose(-2, -1), offs_E)
+    out_ND = grouped_mm(F.silu(gate_NF) * up_NF, w2_EDF.transpose(-2, -1), offs_E)
     return combine(out_ND, torch.argsort(sorted_slots_N), topk_ids_TK, topk_weights_TK, x_TD.dtype)

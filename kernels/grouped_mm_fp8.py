@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from kernels import register_moe_backend
 from kernels.fp8_rowwise import ALIGN, E4M3, E4M3_MAX, quantize_rowwise, scale_from_amax
-from kernels.grouped_mm import _grouped_mm, combine, sort_slots_by_expert
+from kernels.grouped_mm import combine, grouped_mm, sort_slots_by_expert
 
 FAST_ACCUM = True  # torchao's FP8 grouped GEMMs use fast accumulation forward and backward
 
@@ -110,7 +110,7 @@ def emulated_scaled_grouped_mm(qa: torch.Tensor, qb: torch.Tensor, sa: torch.Ten
         group_P = group_of_rows(offs_E, qa.shape[1])
         a = qa.float() * sa.view(E, -1)[group_P].t()
         b = qb.float() * sb.view(E, -1)[group_P]
-    return _grouped_mm(a.bfloat16(), b.bfloat16(), offs_E)
+    return grouped_mm(a.bfloat16(), b.bfloat16(), offs_E)
 
 
 def scaled_grouped_mm(qa: torch.Tensor, qb: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.grouped_mm import grouped_mm
 from kernels.mega_moe.common import (
     expert_tile,
     launch_flags,
@@ -497,12 +498,12 @@ def moe_backward(
     ds_TK = torch.where(valid_N.view(T, K) != 0, ds_TK, 0.0)
     if gmm_wgrad:
         ends_E = offsets_E1[1:]
-        dw2_EDF = _k_grouped_mm(dys_ND.t(), sa_NF, ends_E)
+        dw2_EDF = grouped_mm(dys_ND.t(), sa_NF, ends_E)
         del dys_ND, sa_NF
         F = h_N2F.shape[1] // 2
         xs_ND = x_TD.index_select(0, tok_N)
-        dw1_EFD = _k_grouped_mm(dh_N2F[:, :F].t(), xs_ND, ends_E)
-        dw3_EFD = _k_grouped_mm(dh_N2F[:, F:].t(), xs_ND, ends_E)
+        dw1_EFD = grouped_mm(dh_N2F[:, :F].t(), xs_ND, ends_E)
+        dw3_EFD = grouped_mm(dh_N2F[:, F:].t(), xs_ND, ends_E)
         return dx_TD, dw1_EFD, dw3_EFD, dw2_EDF, ds_TK
     del dys_ND
     dw1_EFD, dw3_EFD = dw13(x_TD, dh_N2F, sorted_slot_N, offsets_E1, E, K, configs.dw13)
@@ -524,8 +525,8 @@ def dx_grouped_mm(
     expert-sorted rows, then one deterministic gather-sum over k of both buffers."""
     N, F = dh_N2F.shape[0], dh_N2F.shape[1] // 2
     ends_E = offsets_E1[1:]
-    dxg_ND = _row_grouped_mm(dh_N2F[:, :F], w1_EFD, ends_E)
-    dxu_ND = _row_grouped_mm(dh_N2F[:, F:], w3_EFD, ends_E)
+    dxg_ND = grouped_mm(dh_N2F[:, :F], w1_EFD, ends_E)
+    dxu_ND = grouped_mm(dh_N2F[:, F:], w3_EFD, ends_E)
     # row_of_slot[sorted_slot[r]] = r: where each (token, k) slot's row landed.
     row_of_slot_N = torch.empty_like(sorted_slot_N).scatter_(
         0, sorted_slot_N.long(), torch.arange(N, device=sorted_slot_N.device, dtype=sorted_slot_N.dtype))
@@ -545,7 +546,7 @@ def dh_grouped_mm(
     N, F = h_N2F.shape[0], h_N2F.shape[1] // 2
     E = w2_EDF.shape[0]
     T, K = topk_weights_TK.shape
-    da_NF = _row_grouped_mm(dys_ND, w2_EDF, offsets_E1[1:])
+    da_NF = grouped_mm(dys_ND, w2_EDF, offsets_E1[1:])
     dh_N2F = torch.empty_like(h_N2F)
     sa_NF = torch.empty((N, F), device=h_N2F.device, dtype=h_N2F.dtype)
     ds_N = torch.zeros(N, device=h_N2F.device, dtype=torch.float32)
@@ -563,25 +564,6 @@ def use_grouped_mm(choice: str, name: str, x_TD: torch.Tensor) -> bool:
         return False
     if choice != "grouped_mm":
         raise ValueError(f"MegaMoEConfigs.{name} must be 'triton' or 'grouped_mm', got {choice!r}")
-    # On CPU (interpreter tests) a loop over the experts stands in for the cuBLAS kernel.
+    # On CPU (interpreter tests) grouped_mm's loop over the experts stands in where torch has no
+    # kernel; on CUDA torch._grouped_mm runs bf16 only.
     return not x_TD.is_cuda or x_TD.dtype == torch.bfloat16
-
-
-def _row_grouped_mm(a_ND: torch.Tensor, b_EDF: torch.Tensor, ends_E: torch.Tensor) -> torch.Tensor:
-    """out[rows of e] = a[rows of e] @ b[e]: (N, D) x (E, D, F) -> (N, F); rows past ends[-1] are
-    left undefined."""
-    if a_ND.is_cuda:
-        return torch._grouped_mm(a_ND, b_EDF, offs=ends_E)
-    ends = ends_E.tolist()
-    out = torch.zeros((a_ND.shape[0], b_EDF.shape[2]), dtype=a_ND.dtype)
-    for e, (s, t) in enumerate(zip([0] + ends[:-1], ends)):
-        out[s:t] = a_ND[s:t] @ b_EDF[e]
-    return out
-
-
-def _k_grouped_mm(a_MN: torch.Tensor, b_NK: torch.Tensor, ends_E: torch.Tensor) -> torch.Tensor:
-    """out[e] = a[:, rows of e] @ b[rows of e]: (E, M, K), rows of e = ends[e-1] : ends[e]."""
-    if a_MN.is_cuda:
-        return torch._grouped_mm(a_MN, b_NK, offs=ends_E)
-    ends = ends_E.tolist()
-    return torch.stack([a_MN[:, s:e] @ b_NK[s:e] for s, e in zip([0] + ends[:-1], ends)])
