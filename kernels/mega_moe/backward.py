@@ -477,10 +477,11 @@ def moe_backward(
     # dy rows in expert order, for cuBLAS (which takes no row index); rows of empty slots (past
     # offsets_E1[E]) belong to no group.
     dys_ND = dy_TD.index_select(0, tok_N) if gmm_wgrad or gmm_dh else None
-    tiles = tile_table(offsets_E1, N, configs.dh.block_m)
+    tiles = None  # the dh kernel's tile table, shared with the dx kernel when their block_m match
     if gmm_dh:
         dh_N2F, ds_TK, sa_NF = dh_grouped_mm(dys_ND, w2_EDF, h_N2F, topk_weights_TK, sorted_slot_N, offsets_E1)
     else:
+        tiles = tile_table(offsets_E1, N, configs.dh.block_m)
         dh_N2F, ds_TK, sa_NF = dh(
             dy_TD, w2_EDF, h_N2F, topk_weights_TK, sorted_slot_N, offsets_E1, configs.dh, tiles,
             store_sa=not configs.dw2_from_h,
