@@ -15,27 +15,18 @@ Inputs are fresh random draws each run; the seed is in every failure message.
 
 import os
 
+import pytest
 import torch
-
-_HAS_CUDA = torch.cuda.is_available()
-if not _HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
 
 triton = pytest.importorskip("triton")
 from kernels.fp8 import grouped_gemm as G  # noqa: E402
 from kernels.fp8 import quant as Q  # noqa: E402
 from kernels.mega_moe.routing import sort_by_expert  # noqa: E402
 
-if not _HAS_CUDA and not type(Q._rowwise_kernel).__name__ == "InterpretedFunction":
-    pytest.skip(
-        "kernels.fp8 was imported before TRITON_INTERPRET=1 was set; run this file alone or export "
-        "TRITON_INTERPRET=1",
-        allow_module_level=True,
-    )
+from tests.triton_interpreter import DEVICE, skip_unless_runnable  # noqa: E402
+from tests.triton_interpreter import HAS_CUDA as _HAS_CUDA  # noqa: E402
 
-DEVICE = "cuda" if _HAS_CUDA else "cpu"
+skip_unless_runnable(Q._rowwise_kernel, "kernels.fp8")
 
 
 def _gemm_tol(scale) -> dict:

@@ -8,32 +8,20 @@ a medium shape. Inputs are fresh random draws each run; the seed is in every fai
 import dataclasses
 import os
 
+import pytest
 import torch
 
-# The interpreter must be chosen before triton is imported (triton.jit reads it at decoration);
-# importing torch does not import triton.
-_HAS_CUDA = torch.cuda.is_available()
-if not _HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from kernels import get_moe_backend  # noqa: E402
-from kernels.moe_reference import moe_reference  # noqa: E402
+from kernels import get_moe_backend
+from kernels.moe_reference import moe_reference
 
 triton = pytest.importorskip("triton")
 from kernels.mega_moe import get_configs, mega_moe, override_configs  # noqa: E402
 from kernels.mega_moe import forward as _fwd_module  # noqa: E402
 from kernels.mega_moe.routing import max_tiles, num_real_tiles, sort_by_expert, tile_table  # noqa: E402
+from tests.triton_interpreter import DEVICE, skip_unless_runnable  # noqa: E402
+from tests.triton_interpreter import HAS_CUDA as _HAS_CUDA  # noqa: E402
 
-if not _HAS_CUDA and not type(_fwd_module._gate_up_kernel).__name__ == "InterpretedFunction":
-    pytest.skip(
-        "kernels.mega_moe was imported before TRITON_INTERPRET=1 was set (another test module?); "
-        "run this file alone or export TRITON_INTERPRET=1",
-        allow_module_level=True,
-    )
-
-DEVICE = "cuda" if _HAS_CUDA else "cpu"
+skip_unless_runnable(_fwd_module._gate_up_kernel, "kernels.mega_moe")
 
 # triton 3.6's interpreter converts 1-element arrays to scalars, which numpy deprecates.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")

@@ -23,13 +23,8 @@ Inputs are fresh random draws each run; the seed is in every failure message.
 import os
 import time
 
+import pytest
 import torch
-
-_HAS_CUDA = torch.cuda.is_available()
-if not _HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
 
 triton = pytest.importorskip("triton")
 from kernels import get_moe_backend, resolve_moe_backend  # noqa: E402
@@ -39,14 +34,10 @@ from kernels.mega_moe_fp8 import backward as B  # noqa: E402
 from kernels.mega_moe_fp8.reference import mega_moe_fp8_backward_ref, mega_moe_fp8_forward_ref  # noqa: E402
 from kernels.moe_reference import moe_reference  # noqa: E402
 
-if not _HAS_CUDA and not type(B._fp8_dh_kernel).__name__ == "InterpretedFunction":
-    pytest.skip(
-        "kernels.mega_moe_fp8 was imported before TRITON_INTERPRET=1 was set; run this file alone or "
-        "export TRITON_INTERPRET=1",
-        allow_module_level=True,
-    )
+from tests.triton_interpreter import DEVICE, skip_unless_runnable  # noqa: E402
+from tests.triton_interpreter import HAS_CUDA as _HAS_CUDA  # noqa: E402
 
-DEVICE = "cuda" if _HAS_CUDA else "cpu"
+skip_unless_runnable(B._fp8_dh_kernel, "kernels.mega_moe_fp8")
 BF16 = torch.bfloat16
 FP8_BOUND = 0.08
 DS_BOUND = 0.12
