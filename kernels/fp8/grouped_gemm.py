@@ -39,13 +39,12 @@ from kernels.fp8.quant import (
     dequantize_rowwise_ref,
     dequantize_weight_ref,
     group_tile_offsets,
-    cast_out,
     interpreting,
     quantize_tile,
     scale_from_amax,
     to_e4m3_bits,
 )
-from kernels.mega_moe.common import expert_tile, tile_rows
+from kernels.mega_moe.common import cast_out, expert_tile, tile_rows
 from kernels.mega_moe.routing import max_tiles, tile_table
 
 

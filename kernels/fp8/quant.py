@@ -100,18 +100,6 @@ def to_e4m3_bits(y, SOFT: tl.constexpr):
 
 
 @triton.jit
-def cast_out(x, dtype: tl.constexpr, SOFT: tl.constexpr):
-    """fp32 ``x`` -> ``dtype`` (a GEMM output). Under the interpreter the fp32 -> bf16 rounding is done
-    on the bits (RTNE), since the interpreter's own cast rounds wrongly when the mantissa carries."""
-    if SOFT and dtype == tl.bfloat16:
-        u = x.to(tl.int32, bitcast=True)
-        u = (u + 0x7FFF + ((u >> 16) & 1)) & -65536  # -65536 == 0xFFFF0000
-        return u.to(tl.float32, bitcast=True).to(dtype)  # exact now
-    else:
-        return x.to(dtype)
-
-
-@triton.jit
 def quantize_tile(x, s):
     """x / s clamped to the e4m3 range, fp32 (the caller casts). ``s`` broadcasts against ``x``."""
     y = tl.math.div_rn(x, s)

@@ -30,6 +30,18 @@ def mma(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
+def cast_out(x, dtype: tl.constexpr, SOFT: tl.constexpr):
+    """fp32 ``x`` -> ``dtype`` (a kernel's output). Under the interpreter the fp32 -> bf16 rounding is
+    done on the bits (RTNE), since the interpreter's own cast rounds wrongly when the mantissa carries."""
+    if SOFT and dtype == tl.bfloat16:
+        u = x.to(tl.int32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & -65536  # -65536 == 0xFFFF0000
+        return u.to(tl.float32, bitcast=True).to(dtype)  # exact now
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
 def expert_tile(pid, M, N, offsets_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program ``pid`` of a K-grouped (weight-gradient) GEMM over E x cdiv(M, BLOCK_M) x
     cdiv(N, BLOCK_N) output tiles, expert slowest: (expert, offs_m, offs_n, first row, end row)."""
@@ -112,6 +124,7 @@ def _sum_over_k_kernel(
     HAS_EMPTY: tl.constexpr,
     GATHER: tl.constexpr,
     TWO: tl.constexpr,
+    SOFT: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -129,7 +142,7 @@ def _sum_over_k_kernel(
     if TWO:
         vals += tl.load(buf2_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     # A fixed-order sum in registers: deterministic, unlike float atomics into out.
-    tl.store(out_ptr + t * D + d, tl.sum(vals, axis=0).to(out_ptr.dtype.element_ty), mask=d < D)
+    tl.store(out_ptr + t * D + d, cast_out(tl.sum(vals, axis=0), out_ptr.dtype.element_ty, SOFT), mask=d < D)
 
 
 def sum_over_k(
@@ -160,7 +173,7 @@ def sum_over_k(
         buf_ND, buf_ND if buf2_ND is None else buf2_ND, buf_ND if row_of_slot_N is None else row_of_slot_N,
         out_TD, buf_ND if valid_N is None else valid_N, top_k, D,
         K_POW2=triton.next_power_of_2(top_k), BLOCK_D=block_d, HAS_EMPTY=valid_N is not None,
-        GATHER=row_of_slot_N is not None, TWO=buf2_ND is not None, num_warps=4,
+        GATHER=row_of_slot_N is not None, TWO=buf2_ND is not None, SOFT=interpreting(), num_warps=4,
     )  # fmt: skip
     return out_TD
 

@@ -33,7 +33,6 @@ from kernels.fp8.grouped_gemm import _scaled_kstep, fp8_grouped_gemm, fp8_wgrad
 from kernels.fp8.quant import (
     FP8,
     TILE,
-    cast_out,
     interpreting,
     quantize_cols_grouped,
     quantize_rowwise,
@@ -43,7 +42,7 @@ from kernels.fp8.quant import (
     to_e4m3_bits,
 )
 from kernels.mega_moe.backward import dw13, dw2
-from kernels.mega_moe.common import sum_over_k, tile_rows, valid_slots
+from kernels.mega_moe.common import cast_out, sum_over_k, tile_rows, valid_slots
 from kernels.mega_moe.configs import get_configs
 from kernels.mega_moe.routing import max_tiles, tile_table
 from kernels.mega_moe_fp8.forward import gemm_blocks
