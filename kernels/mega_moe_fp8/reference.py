@@ -27,13 +27,23 @@ def _sum_valid_slots(buf_ND: torch.Tensor, valid_N: torch.Tensor, T: int, dtype:
     return rows.view(T, -1, buf_ND.shape[1]).sum(1).to(dtype)
 
 
+def _valid_slot_abs_sum(buf_ND: torch.Tensor, valid_N: torch.Tensor, T: int, dtype: torch.dtype) -> torch.Tensor:
+    """sum_k |buf[t*K + k]| over the valid slots (rows rounded to ``dtype``), float64: the scale of
+    the per-slot rounding error in a sum over k. When slots cancel, one ulp of a slot can exceed an
+    ulp of the sum, so comparisons of such sums measure their error against this, not the sum."""
+    rows = torch.where(valid_N[:, None], buf_ND.to(dtype).double().abs(), 0.0)
+    return rows.view(T, -1, buf_ND.shape[1]).sum(1)
+
+
 def _by_slot(rows_N: torch.Tensor, sorted_slot_N: torch.Tensor) -> torch.Tensor:
     """Expert-sorted rows -> slot order (row r goes to slot sorted_slot[r])."""
     return torch.zeros_like(rows_N).index_copy(0, sorted_slot_N.long(), rows_N)
 
 
-def mega_moe_fp8_forward_ref(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, pow2_scales=False):
-    """Reference of ``mega_moe_fp8::forward``: (y_TD, h_N2F, sorted_slot_N, offsets_E1)."""
+def mega_moe_fp8_forward_ref(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, pow2_scales=False,
+                             with_magnitude=False):
+    """Reference of ``mega_moe_fp8::forward``: (y_TD, h_N2F, sorted_slot_N, offsets_E1), and with
+    ``with_magnitude`` a fifth tensor, sum_k |slot row| of y (see ``_valid_slot_abs_sum``)."""
     T, K = topk_ids_TK.shape
     dtype = x_TD.dtype
     sorted_slot_N, offsets_E1 = sort_by_expert(topk_ids_TK, w1_EFD.shape[0])
@@ -48,12 +58,16 @@ def mega_moe_fp8_forward_ref(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD,
     ybuf = fp8_grouped_gemm_ref(a_q, a_s, w2_q, w2_s, offsets_E1, out_slot_N=sorted_slot_N,
                                 slot_weights_N=topk_weights_TK.reshape(-1).float())
     y_TD = _sum_valid_slots(ybuf, topk_ids_TK.reshape(-1) >= 0, T, dtype)
-    return y_TD, torch.cat([g, u], 1), sorted_slot_N, offsets_E1
+    out = (y_TD, torch.cat([g, u], 1), sorted_slot_N, offsets_E1)
+    if with_magnitude:
+        out += (_valid_slot_abs_sum(ybuf, topk_ids_TK.reshape(-1) >= 0, T, dtype),)
+    return out
 
 
 def mega_moe_fp8_backward_ref(dy_TD, x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, h_N2F, sorted_slot_N,
-                              offsets_E1, wgrad="fp8", pow2_scales=False):
-    """Reference of ``mega_moe_fp8::backward``: (dx_TD, dw1_EFD, dw3_EFD, dw2_EDF, dtopk_weights_TK).
+                              offsets_E1, wgrad="fp8", pow2_scales=False, with_magnitude=False):
+    """Reference of ``mega_moe_fp8::backward``: (dx_TD, dw1_EFD, dw3_EFD, dw2_EDF, dtopk_weights_TK),
+    and with ``with_magnitude`` a sixth tensor, sum_k |slot row| of dx (``_valid_slot_abs_sum``).
 
     ``wgrad="bf16"``: weight grads in float64 from the unquantized dH, x, dy and s * A (the bf16
     mega kernels compute the same products with fp32 accumulation).
@@ -87,6 +101,7 @@ def mega_moe_fp8_backward_ref(dy_TD, x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_E
                                              out_slot_N=sorted_slot_N)
     in_expert_N = torch.arange(T * K, device=x_TD.device) < n
     dx_TD = _sum_valid_slots(dxbuf, _by_slot(in_expert_N, sorted_slot_N), T, dtype)
+    dx_mag_TD = _valid_slot_abs_sum(dxbuf, _by_slot(in_expert_N, sorted_slot_N), T, dtype)
 
     sa = pad((act.to(dtype).double() * s_n1).to(dtype))
     if wgrad == "fp8":
@@ -105,4 +120,5 @@ def mega_moe_fp8_backward_ref(dy_TD, x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_E
             r = slice(offs[e], offs[e + 1])
             dw1[e], dw3[e] = dgate[r].double().t() @ xg[r], dup[r].double().t() @ xg[r]
             dw2[e] = dyg[r].t() @ sa[r].double()
-    return dx_TD, dw1.to(dtype), dw3.to(dtype), dw2.to(dtype), ds_TK
+    out = (dx_TD, dw1.to(dtype), dw3.to(dtype), dw2.to(dtype), ds_TK)
+    return out + (dx_mag_TD,) if with_magnitude else out
