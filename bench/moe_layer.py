@@ -184,13 +184,16 @@ def main() -> None:
                 print(f"== {label} T={T} {kind}", flush=True)
                 run_case(label, SHAPES[label], T, kind, args.iters, rows)
                 torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "moe_layer.json"), "w") as f:
+                write(rows, args.out)  # after every case: a run cut short by a time limit keeps its rows
+    print(markdown(rows))
+
+
+def write(rows: list, out: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "moe_layer.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
-    table = markdown(rows)
-    with open(os.path.join(args.out, "moe_layer.md"), "w") as f:
-        f.write(table + "\n")
-    print(table)
+    with open(os.path.join(out, "moe_layer.md"), "w") as f:
+        f.write(markdown(rows) + "\n")
 
 
 if __name__ == "__main__":
