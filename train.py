@@ -56,13 +56,11 @@ def check_implemented(cfg: JobConfig) -> None:
         raise ConfigError(f"[quantize] moe = {cfg.quantize.moe!r} with [moe] backend = {cfg.moe.backend!r} "
                           f"(backend {name!r}) is not implemented yet; set [quantize] moe = \"none\" (bf16)")
     on_gpu = cfg.training.device != "cpu" and torch.cuda.is_available()
-    if name == "mega_fp8" and on_gpu and os.environ.get("MEGA_MOE_FP8_UNVERIFIED") != "1":
-        # Its kernels pass every test under the Triton interpreter, but their first GPU run failed
-        # the tight checks against the quantized reference (BENCHMARKS Run 7) and ran at 0.2x bf16:
-        # refuse until the GPU tests pass rather than train on unverified numbers.
-        raise ConfigError("[quantize] moe = \"fp8_blockwise\" (the FP8 mega kernels) is not yet verified on the GPU "
-                          "(issue 6; BENCHMARKS Run 7); use \"none\" (bf16), or grouped_mm with \"fp8_rowwise\". "
-                          "Developers fixing it: MEGA_MOE_FP8_UNVERIFIED=1 lifts this check")
+    if name == "mega_fp8" and on_gpu:
+        # Correct on the H200 (its GPU tests pass, session 3) but not yet fast: say so at start.
+        print("warning: [quantize] moe = \"fp8_blockwise\" (the FP8 mega kernels) is correct but still slower "
+              "than bf16 mega on the H200 (0.2x fwd+bwd, BENCHMARKS Run 9; issue 6); for speed use "
+              "[quantize] moe = \"none\"", file=sys.stderr, flush=True)
 
 
 def resolve_device(choice: str) -> torch.device:

@@ -1,6 +1,7 @@
 """GPU timings of the FP8 building blocks at the Qwen3 expert shapes (run on the H200).
 
     python -m bench.fp8_kernels            # both shapes, T = 16384, top-8, E = 128
+    python -m bench.fp8_kernels --sweep    # launch-parameter sweep of the three FP8 GEMMs, 30B shape
 
 Prints time, TFLOP/s (GEMMs, counting only routed rows) and GB/s (quantization: bytes read +
 written). The GEMM block sizes are untuned first guesses (see grouped_gemm._block_sizes).
@@ -111,6 +112,68 @@ def time_moe_ops(T=16384, top_k=8, E=128, shapes=SHAPES, iters=20, device="cuda"
     return rows
 
 
+def sweep(T: int = 16384, top_k: int = 8, E: int = 128, D: int = 2048, F: int = 768) -> None:
+    """Time each FP8 GEMM over launch parameters on one input (30B expert shape), and the wgrad
+    kernel with and without the aligned-offsets hint on routing whose expert offsets are all
+    multiples of 128 (each expert gets exactly T * top_k / E rows): is the unaligned token-dim
+    load what holds it at ~50 TFLOP/s (Run 9)?"""
+    dev = "cuda"
+    N = T * top_k
+    x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
+    w1, w3 = ((torch.randn(E, F, D, device=dev) * 0.02).to(torch.bfloat16) for _ in range(2))
+    w2 = (torch.randn(E, D, F, device=dev) * 0.02).to(torch.bfloat16)
+    # token t, choice k -> expert (t * top_k + k) % E: distinct per token, exactly N / E rows each.
+    ids = (torch.arange(T, device=dev)[:, None] * top_k + torch.arange(top_k, device=dev)) % E
+    slots, offs = sort_by_expert(ids, E)
+    assert bool((offs % 128 == 0).all()), "the sweep's routing must give 128-aligned offsets"
+    xq, xs = Q.quantize_rowwise(x)
+    w1q, w1s = Q.quantize_weight(w1)
+    w3q, w3s = Q.quantize_weight(w3)
+    w2q, w2s = Q.quantize_weight(w2)
+    _, _, (aq, as_) = G.fp8_gate_up_swiglu(xq, xs, w1q, w1s, w3q, w3s, slots, offs, top_k, quantize_a=True)
+    dh = torch.randn(N, F, device=dev, dtype=torch.bfloat16)
+    atq, ats = Q.quantize_cols_grouped(dh, offs)
+    btq, bts = Q.quantize_cols_grouped(x, offs, slots, top_k)
+    flops = 2 * N * D * F
+    rows = []
+
+    def t(label, fn, fl):
+        try:
+            ms = _ms(fn)
+            rows.append(f"{label:52s} {ms:8.3f} ms {fl / ms / 1e9:6.0f} TFLOP/s")
+        except Exception as exc:  # a config that does not fit (shared memory, registers)
+            rows.append(f"{label:52s} failed: {type(exc).__name__}: {str(exc)[:60]}")
+        print(rows[-1], flush=True)
+
+    for bm, warps, stages in ((128, 8, 3), (128, 8, 2), (128, 8, 4), (64, 4, 3), (64, 4, 4), (64, 8, 3)):
+        tiles = tile_table(offs, N, bm)
+        t(f"gate_up+quantA bm{bm} bn128 w{warps} s{stages}", lambda: G.fp8_gate_up_swiglu(
+            xq, xs, w1q, w1s, w3q, w3s, slots, offs, top_k, quantize_a=True, store_a=False, tiles=tiles,
+            block_m=bm, num_warps=warps, num_stages=stages), 2 * flops)
+    for bm, bn, warps, stages in ((128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (64, 128, 4, 4),
+                                  (64, 256, 8, 3), (128, 128, 4, 3)):
+        tiles = tile_table(offs, N, bm)
+        t(f"down bm{bm} bn{bn} w{warps} s{stages}", lambda: G.fp8_grouped_gemm(
+            aq, as_, w2q, w2s, offs, tiles=tiles, block_m=bm, block_n=bn, num_warps=warps,
+            num_stages=stages), flops)
+    for bm, bn, warps, stages in ((128, 128, 8, 3), (128, 128, 4, 3), (64, 128, 4, 4), (128, 256, 8, 3)):
+        for aligned in (False, True):
+            t(f"wgrad bm{bm} bn{bn} w{warps} s{stages} aligned={aligned}", lambda: G.fp8_wgrad(
+                atq, ats, btq, bts, offs, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
+                aligned_offsets=aligned), flops)
+    ref = G.fp8_wgrad(atq, ats, btq, bts, offs)
+    got = G.fp8_wgrad(atq, ats, btq, bts, offs, aligned_offsets=True)
+    print(f"wgrad aligned == unaligned: {torch.equal(ref, got)}")
+    print("\n".join(rows))
+
+
 if __name__ == "__main__":
-    main()
-    time_moe_ops()
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="launch-parameter sweep only")
+    if parser.parse_args().sweep:
+        sweep()
+    else:
+        main()
+        time_moe_ops()

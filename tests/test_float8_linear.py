@@ -252,4 +252,7 @@ def test_fsdp2_trains_like_one_process(tmp_path):
     got = spawn(2, fp8 + ["--parallelism.data_parallel_shard_degree", "2"], init, str(tmp_path / "out.pt"))
     assert got["losses"] == pytest.approx(losses, rel=1e-4)
     for name, value in full_state(single.model).items():
-        torch.testing.assert_close(got["state"][name], value, rtol=1e-3, atol=1e-4, msg=lambda m: f"{name}: {m}")
+        # atol 1e-4 failed on torch 2.11 (GPU machine, CPU ranks): 6 of 65536 entries 1.5e-4 apart.
+        # The reduction order can flip an e4m3 code of a gradient (a 6% step), and Adam's second
+        # update moves by a few % of lr (3e-3) where that happens: a tenth of lr bounds it.
+        torch.testing.assert_close(got["state"][name], value, rtol=1e-3, atol=3e-4, msg=lambda m: f"{name}: {m}")

@@ -377,7 +377,14 @@ def test_gate_up_swiglu(routing):
     tol = _gemm_tol(g[:n].abs().max().clamp(min=1e-30))
     torch.testing.assert_close(h[:n, :F].double(), g[:n], **tol, msg=_m(msg))
     torch.testing.assert_close(h[:n, F:].double(), u[:n], **tol, msg=_m(msg))
-    torch.testing.assert_close(a[:n].double(), a_ref[:n], rtol=1e-4, atol=1e-5 * a_ref[:n].abs().max().clamp(min=1e-30), msg=_m(msg))
+    # The epilogue against SwiGLU of the kernel's own gate/up: a_ref from the reference's g, u would
+    # carry their GEMM error, amplified where silu bends (on the H200, FP8 accumulation error within
+    # _gemm_tol moved 1-2% of A entries by up to 6%, session 3).
+    hg, hu = h[:n, :F].double(), h[:n, F:].double()
+    a_own = torch.nn.functional.silu(hg) * hu
+    torch.testing.assert_close(a[:n].double(), a_own, rtol=1e-4, atol=1e-5 * a_own.abs().max().clamp(min=1e-30), msg=_m(msg))
+    if not _HAS_CUDA:  # fp32 accumulation: the reference's own A agrees too
+        torch.testing.assert_close(a[:n].double(), a_ref[:n], rtol=1e-4, atol=1e-5 * a_ref[:n].abs().max(), msg=_m(msg))
     _assert_same_q((aq[:n], as_[:n]), Q.quantize_rowwise(a[:n].contiguous()), f"{msg}: fused A quantization")
     h16, a16, (aq16, as16) = G.fp8_gate_up_swiglu(xq, xs, w1q, w1s, w3q, w3s, slots, offs, K, quantize_a=True)
     assert torch.equal(h16[:n], h[:n].to(torch.bfloat16)), f"{msg}: bf16 H is not the rounded fp32 one"

@@ -117,6 +117,12 @@ def _assert_tight(got, want, name, msg, magnitude=None, requantized=False):
     assert torch.isfinite(got).all(), f"{name} not finite; {msg}"
     rel = _rel(got, want)
     norm_bound, frac_bound = (REQUANT_BOUND, 5e-2) if requantized else (TIGHT_BOUND, 1e-3)
+    if _HAS_CUDA:
+        # sm_90's FP8 MMA accumulates each 128-long K block in reduced precision (~14 bits,
+        # tests/test_fp8.py::_gemm_tol): on the H200 0.5-0.9% of H entries and 6-10% of y and dx
+        # entries were beyond an ulp (session 3, norms within the bounds); per-element checks can
+        # only catch gross errors there, the norm bounds stay.
+        frac_bound = 0.25 if requantized else 2e-2
     assert rel < norm_bound, f"{name}: {rel:.2e} from the quantized-pipeline reference; {msg}"
     beyond_ulp = ((got - want).abs() > 2.0**-7 * mag + 1e-6 * want.abs().max()).double().mean().item()
     assert beyond_ulp < frac_bound, f"{name}: {beyond_ulp:.1e} of the entries differ by more than a bf16 ulp; {msg}"

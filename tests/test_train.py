@@ -213,19 +213,16 @@ def test_tensorboard_scalars_are_written(tmp_path):
     assert [e.step for e in acc.Scalars("loss")] == [1, 2]
 
 
-def test_fp8_blockwise_refused_on_gpu_until_verified(monkeypatch):
-    """The FP8 mega kernels failed their first GPU tests: the trainer refuses them on
-    a GPU (with a developer override), while the interpreter tests keep running them on CPU."""
+def test_fp8_blockwise_warns_on_gpu_that_it_is_slow(monkeypatch, capsys):
+    """The FP8 mega kernels are correct but slower than bf16: a GPU run says so at start (and a
+    CPU run, the interpreter's, does not)."""
     from train import check_implemented
 
     cfg = JobConfig()
     cfg.moe.backend, cfg.quantize.moe = "mega", "fp8_blockwise"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.delenv("MEGA_MOE_FP8_UNVERIFIED", raising=False)
-    with pytest.raises(ConfigError, match="not yet verified on the GPU"):
-        check_implemented(cfg)
-    monkeypatch.setenv("MEGA_MOE_FP8_UNVERIFIED", "1")
     check_implemented(cfg)
+    assert "slower than bf16 mega" in capsys.readouterr().err
     cfg.training.device = "cpu"
-    monkeypatch.delenv("MEGA_MOE_FP8_UNVERIFIED")
     check_implemented(cfg)
+    assert capsys.readouterr().err == ""

@@ -266,6 +266,8 @@ def fp8_grouped_gemm(
     block_n: int | None = None,
     out_slot_N: torch.Tensor | None = None,
     slot_weights_N: torch.Tensor | None = None,
+    num_warps: int = 8,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     """out[r] = dequant(A)[src(r)] @ dequant(B)[e(r)]^T for the expert-sorted rows r.
 
@@ -321,7 +323,7 @@ def fp8_grouped_gemm(
         offsets_E1, tiles, n_tiles, top_k, N, K,
         BLOCK_M=bm, BLOCK_N=bn, GATHER=sorted_slot_N is not None, SCATTER=out_slot_N is not None,
         WEIGHTED=slot_weights_N is not None, EVEN_K=K % TILE == 0, SOFT=interpreting(),
-        num_warps=8 if not interpreting() else 4, num_stages=3,
+        num_warps=num_warps if not interpreting() else 4, num_stages=num_stages,
     )  # fmt: skip
     return out
 
@@ -342,6 +344,8 @@ def fp8_gate_up_swiglu(
     tiles: torch.Tensor | None = None,
     block_m: int | None = None,
     store_a: bool = True,
+    num_warps: int = 8,
+    num_stages: int = 3,
 ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
     """FP8 gathered gate/up GEMM with the SwiGLU epilogue (FP8 twin of ``forward.gate_up``).
 
@@ -389,7 +393,7 @@ def fp8_gate_up_swiglu(
         aq.view(torch.uint8) if quantize_a else h, a_s if quantize_a else h,
         sorted_slot_N, offsets_E1, tiles, n_tiles, top_k, D, F,
         BLOCK_M=bm, BLOCK_N=bn, EVEN_K=D % TILE == 0, STORE_A=store_a, QUANT_A=quantize_a, POW2=pow2_scales,
-        SOFT=interpreting(), num_warps=8 if not interpreting() else 4, num_stages=3,
+        SOFT=interpreting(), num_warps=num_warps if not interpreting() else 4, num_stages=num_stages,
     )  # fmt: skip
     return h, a, (aq, a_s) if quantize_a else None
 
@@ -415,8 +419,13 @@ def _fp8_wgrad_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SOFT: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     expert, offs_m, offs_n, start, end = expert_tile(tl.program_id(0), M, NCOL, offsets_ptr, BLOCK_M, BLOCK_N)
+    if ALIGNED:
+        # Every expert's rows start at a multiple of 128 (the caller says so): the loads along the
+        # token dim can then be vectorized; an arbitrary start leaves the compiler byte loads.
+        start = tl.multiple_of(start, 128)
     t0 = tl.load(tile_offsets_ptr + expert)
     t1 = tl.load(tile_offsets_ptr + expert + 1)
     offs_m_ld = (offs_m % M).to(tl.int64)
@@ -448,6 +457,9 @@ def fp8_wgrad(
     out_dtype: torch.dtype = torch.float32,
     block_m: int | None = None,
     block_n: int | None = None,
+    num_warps: int = 8,
+    num_stages: int = 3,
+    aligned_offsets: bool = False,
 ) -> torch.Tensor:
     """dW[e] = dY_e^T @ X_e, the sum over expert e's rows, from token-dim-quantized operands.
 
@@ -457,6 +469,8 @@ def fp8_wgrad(
         bt_q, bt_s: (Ncol, Nr) e4m3 and (Ncol, Nr // 128 + E) fp32: the same for X (Nr or gathered
             T rows, Ncol). Both must come from the same offsets_E1 (same 128-row tiles).
         offsets_E1: (E+1,) int32.
+        num_warps, num_stages: launch parameters (bench sweeps; the interpreter uses 4 warps).
+        aligned_offsets: promise that every offset is a multiple of 128 (wrong results otherwise).
     Returns:
         (E, M, Ncol) ``out_dtype``; zeros for an expert with no rows.
     """
@@ -481,7 +495,8 @@ def fp8_wgrad(
     tile_offs = group_tile_offsets(offsets_E1)
     _fp8_wgrad_kernel[(E * triton.cdiv(M, bm) * triton.cdiv(NCOL, bn),)](
         at_q, at_s, bt_q, bt_s, out, offsets_E1, tile_offs, n_tiles, Nr, M, NCOL,
-        BLOCK_M=bm, BLOCK_N=bn, SOFT=interpreting(), num_warps=8 if not interpreting() else 4, num_stages=3,
+        BLOCK_M=bm, BLOCK_N=bn, SOFT=interpreting(), ALIGNED=aligned_offsets,
+        num_warps=num_warps if not interpreting() else 4, num_stages=num_stages,
     )  # fmt: skip
     return out
 

@@ -64,8 +64,8 @@ class MegaMoEConfigs:
     dh_gemm: str = "triton"
     # dX: "triton" = the dx kernel (per-slot rows, then a sum over k); "grouped_mm" = two
     # torch._grouped_mm (dgate @ w1[e], dup @ w3[e]) into expert-sorted rows, then one gather-sum over
-    # k of both buffers by each slot's row. Not yet measured on the GPU (predicted -0.3 ms at 30B,
-    # bench/NOTES.md); bf16 on CUDA (and CPU tests) only.
+    # k of both buffers by each slot's row (one more N x D transient than the Triton path). bf16 on
+    # CUDA (and CPU tests) only.
     dx_gemm: str = "triton"
 
 
@@ -78,7 +78,9 @@ class MegaMoEConfigs:
 # copies beat the Triton weight-gradient kernels (whole op 10.08 -> 9.11 ms at 30B, 36.4 -> 31.3
 # at 235B); dw13/dw2 tiles are kept for fp32 and for wgrad="triton". dA' by cuBLAS on the same
 # sorted dy copy plus an elementwise SwiGLU backward beats the fused dh kernel (Run 7: 9.08 -> 8.75
-# ms at 30B, 31.3 -> 30.5 ms at 235B); the dh tiles stay for fp32 and dh_gemm="triton".
+# ms at 30B, 31.3 -> 30.5 ms at 235B); the dh tiles stay for fp32 and dh_gemm="triton". dX by two
+# cuBLAS grouped GEMMs and a gather-sum (session 3, Run 9: 8.75-8.86 -> 8.60-8.70 ms at 30B, 30.7
+# -> 30.1-30.2 ms at 235B, both variants timed twice in one process); dx tiles stay for fp32.
 _GPU_DEFAULT = MegaMoEConfigs(
     gate_up=TileConfig(128, 128, 64, 8, 4),
     down=TileConfig(128, 256, 64, 8, 4, persistent=1),
@@ -88,6 +90,7 @@ _GPU_DEFAULT = MegaMoEConfigs(
     dw2=TileConfig(128, 128, 64, 8, 3),
     wgrad="grouped_mm",
     dh_gemm="grouped_mm",
+    dx_gemm="grouped_mm",
 )
 
 # Keyed on (D, F, E). Entries for the two target shapes; any other shape gets _GPU_DEFAULT.
