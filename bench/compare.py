@@ -17,9 +17,9 @@ Runs, one after another, each in its own process with a timeout and its log kept
   (torchao 0.16 rowwise ``_scaled_grouped_mm``; skipped with a note when torchao is missing).
 * ``ours_torchtitan``, ``ours_grouped_mm``, ``ours_mega``: ``train.py`` with the same shape, seq len,
   batch, activation checkpointing, compile and optimizer settings, one process (bf16 autocast, as
-  upstream on one GPU), and the three MoE backends. ``ours_mega_fp8`` runs ``[quantize] moe =
-  fp8_blockwise``; until that lands the trainer refuses it at start and the run is listed as not
-  implemented (it costs a few seconds).
+  upstream on one GPU), and the three MoE backends. ``ours_grouped_mm_fp8`` runs ``grouped_mm`` with
+  ``[quantize] moe = fp8_rowwise`` (TorchTitan's FP8 method), ``ours_mega_fp8`` runs ``mega`` with
+  ``[quantize] moe = fp8_blockwise``.
 
 Both trainers read the same tokenizer (``assets/tokenizer/tokenizer.json``: the project's
 sentencepiece model converted with identical ids, see ``sentencepiece_to_hf``) and the same data
@@ -296,6 +296,8 @@ def plan(s: Setting, *, toml_path: Path, data_dir: Path, python: str = sys.execu
         Run("ours_grouped_mm", "ours, `grouped_mm` backend, bf16", "ours", "bf16",
             ours + ["--moe.backend", "grouped_mm", *ours_extra]),
         Run("ours_mega", "ours, `mega` backend, bf16", "ours", "bf16", ours + ["--moe.backend", "mega", *ours_extra]),
+        Run("ours_grouped_mm_fp8", "ours, `grouped_mm` backend, FP8 experts (rowwise, TorchTitan's method)",
+            "ours", "fp8", ours + ["--moe.backend", "grouped_mm", "--quantize.moe", "fp8_rowwise", *ours_extra]),
         Run("ours_mega_fp8", "ours, `mega` backend, FP8 experts (blockwise)", "ours", "fp8",
             ours + ["--moe.backend", "mega", "--quantize.moe", "fp8_blockwise", *ours_extra]),
     ]
@@ -601,7 +603,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--window", default="6-20", help="steps averaged, e.g. 6-20")
     p.add_argument("--out", type=Path, default=None, help="default outputs/compare/<model>_<layers>L")
     p.add_argument("--only", default="", help="comma-separated run names (titan_bf16, titan_fp8, ours_torchtitan, "
-                   "ours_grouped_mm, ours_mega, ours_mega_fp8); default all")
+                   "ours_grouped_mm, ours_mega, ours_grouped_mm_fp8, ours_mega_fp8); default all")
     p.add_argument("--skip", default="", help="comma-separated run names to leave out")
     p.add_argument("--timeout", type=float, default=240, help="seconds per run")
     p.add_argument("--budget", type=float, default=0, help="seconds for all runs; runs that would start with "
