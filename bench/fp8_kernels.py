@@ -145,22 +145,27 @@ def sweep(T: int = 16384, top_k: int = 8, E: int = 128, D: int = 2048, F: int = 
             rows.append(f"{label:52s} failed: {type(exc).__name__}: {str(exc)[:60]}")
         print(rows[-1], flush=True)
 
-    for bm, warps, stages in ((128, 8, 3), (128, 8, 2), (128, 8, 4), (64, 4, 3), (64, 4, 4), (64, 8, 3)):
+    for bm, warps, stages in ((128, 8, 3), (128, 8, 4), (64, 4, 3), (64, 8, 3)):
         tiles = tile_table(offs, N, bm)
         t(f"gate_up+quantA bm{bm} bn128 w{warps} s{stages}", lambda: G.fp8_gate_up_swiglu(
             xq, xs, w1q, w1s, w3q, w3s, slots, offs, top_k, quantize_a=True, store_a=False, tiles=tiles,
             block_m=bm, num_warps=warps, num_stages=stages), 2 * flops)
-    for bm, bn, warps, stages in ((128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (64, 128, 4, 4),
-                                  (64, 256, 8, 3), (128, 128, 4, 3)):
+    for bm, bn, warps, stages in ((128, 128, 8, 3), (128, 256, 8, 3), (64, 128, 4, 4)):
         tiles = tile_table(offs, N, bm)
         t(f"down bm{bm} bn{bn} w{warps} s{stages}", lambda: G.fp8_grouped_gemm(
             aq, as_, w2q, w2s, offs, tiles=tiles, block_m=bm, block_n=bn, num_warps=warps,
             num_stages=stages), flops)
+    t("wgrad bm128 bn128 w8 s3 (unaligned hint-free)", lambda: G.fp8_wgrad(atq, ats, btq, bts, offs), flops)
+    t("wgrad bm128 bn128 w8 s3 aligned hint", lambda: G.fp8_wgrad(atq, ats, btq, bts, offs, aligned_offsets=True), flops)
+    # The padded layout (quantize_cols_grouped(padded=True)): every tile at a multiple of 128.
+    atp, atps = Q.quantize_cols_grouped(dh, offs, padded=True)
+    btp, btps = Q.quantize_cols_grouped(x, offs, slots, top_k, padded=True)
+    t("quantize_cols_grouped x gathered, padded", lambda: Q.quantize_cols_grouped(x, offs, slots, top_k, padded=True), 0)
     for bm, bn, warps, stages in ((128, 128, 8, 3), (128, 128, 4, 3), (64, 128, 4, 4), (128, 256, 8, 3)):
-        for aligned in (False, True):
-            t(f"wgrad bm{bm} bn{bn} w{warps} s{stages} aligned={aligned}", lambda: G.fp8_wgrad(
-                atq, ats, btq, bts, offs, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
-                aligned_offsets=aligned), flops)
+        t(f"wgrad padded bm{bm} bn{bn} w{warps} s{stages}", lambda: G.fp8_wgrad(
+            atp, atps, btp, btps, offs, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
+            padded=True), flops)
+    print(f"wgrad padded == unpadded: {torch.equal(G.fp8_wgrad(atq, ats, btq, bts, offs), G.fp8_wgrad(atp, atps, btp, btps, offs, padded=True))}")
     ref = G.fp8_wgrad(atq, ats, btq, bts, offs)
     got = G.fp8_wgrad(atq, ats, btq, bts, offs, aligned_offsets=True)
     print(f"wgrad aligned == unaligned: {torch.equal(ref, got)}")

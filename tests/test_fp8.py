@@ -263,6 +263,14 @@ def _covered(offsets_E1):
     return int(offsets_E1[-1])
 
 
+def _tile_rows(offsets_E1, n_tiles):
+    """Rows in each of the n_tiles 128-row tiles of the tile table (0 for surplus tiles)."""
+    rows = []
+    for c in offsets_E1.diff().tolist():
+        rows += [128] * (c // 128) + ([c % 128] if c % 128 else [])
+    return torch.tensor(rows + [0] * (n_tiles - len(rows)))
+
+
 # --------------------------------------------------------------------------------------------------
 # grouped GEMM
 # --------------------------------------------------------------------------------------------------
@@ -410,7 +418,9 @@ def test_gate_up_swiglu(routing):
 def test_cols_grouped_and_wgrad(routing, pow2):
     """Token-dim quantization per expert 128-row block (gathered x, sorted dH), bit-exact vs the
     reference, and dW[e] = dH_e^T @ x_e: tight vs float64 of the dequantized operands, FP8-level vs
-    the unquantized product, exact zeros for an expert with no rows."""
+    the unquantized product, exact zeros for an expert with no rows. The same in the padded layout
+    (one zero-filled 128-column block per tile): bit-exact vs its reference and vs the unpadded
+    bytes and scales, and its wgrad equal to the unpadded one."""
     seed = _seed()
     T, K, E, kind = routing
     D, F = 72, 48
@@ -436,6 +446,33 @@ def test_cols_grouped_and_wgrad(routing, pow2):
     rel = ((dw.double() - exact).norm() / exact.norm()).item()
     assert rel < 0.06, f"{msg}: relative error vs unquantized {rel}"
 
+    # Padded layout: tile i in columns [128 i, 128 i + 128), its rows first, then zeros; surplus
+    # tiles all zeros. Bit for bit vs the reference (padding included), and the same bytes and
+    # scales as the unpadded layout, moved.
+    n_tiles = bts.shape[1]
+    real = torch.arange(128)[None, :] < _tile_rows(offs.cpu(), n_tiles)[:, None]  # (n_tiles, 128)
+    padded = []
+    for (uq, us), src, sl in (((btq, bts), x, slots), ((atq, ats), dh, None)):
+        k = K if sl is not None else 1
+        got = Q.quantize_cols_grouped(src, offs, sl, k, pow2, padded=True)
+        pmsg = f"{msg} padded {'gathered' if sl is not None else 'sorted'}"
+        _assert_same_q(got, Q.quantize_cols_grouped_ref(src, offs, sl, k, pow2, padded=True), pmsg)
+        q3 = _bytes(got[0]).view(-1, n_tiles, 128).cpu()
+        assert (q3[:, ~real] == 0).all(), f"{pmsg}: padding or surplus tiles not zero"
+        assert torch.equal(q3[:, real], _bytes(uq)[:, :n].cpu()), f"{pmsg}: rows differ from the unpadded layout"
+        assert torch.equal(got[1], us), f"{pmsg}: scales differ from the unpadded layout"
+        padded.append(got)
+    (btq_p, bts_p), (atq_p, ats_p) = padded
+    dw_p = G.fp8_wgrad(atq_p, ats_p, btq_p, bts_p, offs, padded=True)
+    ref_p = G.fp8_wgrad_ref(atq_p, ats_p, btq_p, bts_p, offs, padded=True)
+    assert torch.equal(ref_p, ref), f"{msg}: padded reference differs from the unpadded one"
+    torch.testing.assert_close(dw_p.double(), ref_p, **_gemm_tol(ref.abs().max()), msg=_m(f"{msg} padded"))
+    if not _HAS_CUDA:
+        # The same tiles reach tl.dot (masked-out rows loaded as 0 vs stored zeros): same sums.
+        assert torch.equal(dw_p, dw), f"{msg}: padded wgrad differs from the unpadded one"
+    else:
+        torch.testing.assert_close(dw_p.double(), dw.double(), **_gemm_tol(ref.abs().max()), msg=_m(msg))
+
 
 # --------------------------------------------------------------------------------------------------
 # argument checks
@@ -459,6 +496,16 @@ def test_clear_errors():
         G.fp8_grouped_gemm(xq, xs[:, :1].contiguous(), wq, ws, offs)
     with pytest.raises(ValueError, match="K ="):
         G.fp8_grouped_gemm(xq[:, :128].contiguous(), xs[:, :1].contiguous(), wq, ws, offs)
+    # fp8_wgrad's two layouts of quantize_cols_grouped, each passed with the other's flag.
+    unpadded = Q.quantize_cols_grouped(x, offs)
+    padded = Q.quantize_cols_grouped(x, offs, padded=True)
+    assert padded[0].shape == (130, 256) and unpadded[0].shape == (130, 4)
+    with pytest.raises(ValueError, match="pass padded=True"):
+        G.fp8_wgrad(*padded, *padded, offs)
+    with pytest.raises(ValueError, match="needs padded=False"):
+        G.fp8_wgrad(*unpadded, *unpadded, offs, padded=True)
+    with pytest.raises(ValueError, match="bt_s"):
+        G.fp8_wgrad(*padded, padded[0], padded[1][:, :1].contiguous(), offs, padded=True)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -205,15 +205,22 @@ _CASES = [
     pytest.param(37, 2, 4, 256, 128, "random", True, {}, id="T37-top2-outliers"),
     pytest.param(41, 2, 4, 128, 128, "empty_slots", False, dict(wgrad="bf16"), id="T41-top2-emptyslots-bf16wgrad"),
     pytest.param(21, 2, 4, 200, 192, "empty_expert", False, dict(dh_quant=True), id="T21-D200-F192-emptyexperts"),
+    # The others run the FP8 wgrad in the padded layout (B.WGRAD_PADDED); this one the unpadded.
+    pytest.param(19, 4, 8, 128, 128, "empty_expert", False, dict(wgrad_padded=False, pow2=True),
+                 id="T19-top4-E8-emptyexperts-pow2-unpadded-wgrad"),
 ]
 
 
 @pytest.mark.parametrize("T,K,E,D,F,kind,outliers,opts", _CASES)
-def test_forward_backward(T, K, E, D, F, kind, outliers, opts):
+def test_forward_backward(T, K, E, D, F, kind, outliers, opts, monkeypatch):
     """Output and the five gradients: FP8-level vs the unquantized oracle, tight vs the quantized
     pipeline. Covers: experts with no tokens (one_expert, empty_expert), all slots on one expert
     (ids repeated in a token), empty slots whose weights are NaN (never read), outlier rows, partial
-    scale tiles in D and F, power-of-two scales, the bf16 weight-gradient option."""
+    scale tiles in D and F, power-of-two scales, the bf16 weight-gradient option, both layouts of
+    the FP8 wgrad's operands."""
+    opts = dict(opts)
+    if "wgrad_padded" in opts:
+        monkeypatch.setattr(B, "WGRAD_PADDED", opts.pop("wgrad_padded"))
     _check(T, K, E, D, F, kind, outliers, **opts)
 
 

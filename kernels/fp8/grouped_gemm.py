@@ -24,7 +24,8 @@ Ops:
                              ``kernels/mega_moe/forward.py``; optionally writes A quantized (1 x 128)
                              for the down GEMM.
 - :func:`fp8_wgrad`          dW[e] = dY_e^T @ X_e over each expert's rows (K-grouped), operands
-                             quantized along the token dim by :func:`quant.quantize_cols_grouped`.
+                             quantized along the token dim by :func:`quant.quantize_cols_grouped`
+                             (either layout; the padded one gives aligned, unmasked loads).
 """
 
 from __future__ import annotations
@@ -405,21 +406,22 @@ def fp8_gate_up_swiglu(
 
 @triton.jit
 def _fp8_wgrad_kernel(
-    at_ptr,  # (M, Nr) e4m3: dY^T, token dim contiguous
+    at_ptr,  # (M, LD) e4m3: dY^T, token dim contiguous
     ats_ptr,  # (M, num_tiles) fp32
-    bt_ptr,  # (Ncol, Nr) e4m3: X^T
+    bt_ptr,  # (Ncol, LD) e4m3: X^T
     bts_ptr,  # (Ncol, num_tiles) fp32
     out_ptr,  # (E, M, Ncol)
     offsets_ptr,  # (E+1,) int32 row offsets
     tile_offsets_ptr,  # (E+1,) int32 offsets of each expert's 128-row tiles
     num_tiles,
-    Nr,
+    LD,  # row stride of at/bt: Nr, or num_tiles * 128 if PADDED
     M,
     NCOL,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SOFT: tl.constexpr,
     ALIGNED: tl.constexpr,
+    PADDED: tl.constexpr,
 ):
     expert, offs_m, offs_n, start, end = expert_tile(tl.program_id(0), M, NCOL, offsets_ptr, BLOCK_M, BLOCK_N)
     if ALIGNED:
@@ -435,10 +437,18 @@ def _fp8_wgrad_kernel(
     # One 128-row tile of the expert per step: the scale block of both operands. An expert with
     # no rows runs no step and stores zeros.
     for t in range(t0, t1):
-        rows = start + (t - t0) * 128 + offs_r
-        rmask = rows < end
-        a = tl.load(at_ptr + offs_m_ld[:, None] * Nr + rows[None, :], mask=rmask[None, :], other=0.0)
-        b = tl.load(bt_ptr + offs_n_ld[None, :] * Nr + rows[:, None], mask=rmask[:, None], other=0.0)
+        if PADDED:
+            # Tile t owns columns [128 t, 128 t + 128), zero past the expert's rows: no mask, and
+            # the columns are known 128-aligned and contiguous, so the loads are vectorized
+            # (LD = num_tiles * 128 is a multiple of 16, which Triton's specialization sees).
+            cols = tl.max_contiguous(tl.multiple_of(t * 128 + offs_r, 128), 128)
+            a = tl.load(at_ptr + offs_m_ld[:, None] * LD + cols[None, :])
+            b = tl.load(bt_ptr + offs_n_ld[None, :] * LD + cols[:, None])
+        else:
+            rows = start + (t - t0) * 128 + offs_r
+            rmask = rows < end
+            a = tl.load(at_ptr + offs_m_ld[:, None] * LD + rows[None, :], mask=rmask[None, :], other=0.0)
+            b = tl.load(bt_ptr + offs_n_ld[None, :] * LD + rows[:, None], mask=rmask[:, None], other=0.0)
         sa = tl.load(ats_ptr + offs_m_ld * num_tiles + t)
         sb = tl.load(bts_ptr + offs_n_ld * num_tiles + t)
         acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
@@ -460,6 +470,7 @@ def fp8_wgrad(
     num_warps: int = 8,
     num_stages: int = 3,
     aligned_offsets: bool = False,
+    padded: bool = False,
 ) -> torch.Tensor:
     """dW[e] = dY_e^T @ X_e, the sum over expert e's rows, from token-dim-quantized operands.
 
@@ -471,17 +482,40 @@ def fp8_wgrad(
         offsets_E1: (E+1,) int32.
         num_warps, num_stages: launch parameters (bench sweeps; the interpreter uses 4 warps).
         aligned_offsets: promise that every offset is a multiple of 128 (wrong results otherwise).
+            No effect with ``padded``, whose columns are aligned whatever the offsets.
+        padded: the operands are in the padded layout of ``quantize_cols_grouped(..., padded=True)``:
+            at_q (M, n_tiles * 128), bt_q (Ncol, n_tiles * 128), at_s (M, n_tiles), bt_s
+            (Ncol, n_tiles), n_tiles = Nr // 128 + E; tile i at columns [128 i, 128 i + 128),
+            zero filled past its rows. The loads are then aligned and unmasked (vectorized).
     Returns:
         (E, M, Ncol) ``out_dtype``; zeros for an expert with no rows.
     """
     _check_fp8(at_q, 2, "at_q")
     _check_fp8(bt_q, 2, "bt_q")
-    M, Nr = at_q.shape
+    M, ld = at_q.shape
     NCOL = bt_q.shape[0]
-    if bt_q.shape[1] != Nr:
-        raise ValueError(f"at_q and bt_q must have the same rows (dim 1): {Nr} vs {bt_q.shape[1]}")
+    if bt_q.shape[1] != ld:
+        raise ValueError(f"at_q and bt_q must have the same rows (dim 1): {ld} vs {bt_q.shape[1]}")
     E = offsets_E1.numel() - 1
-    n_tiles = max_tiles(Nr, E, TILE)
+    # The scales have one column per tile in both layouts; q's columns tell the layouts apart
+    # (unpadded: Nr columns with Nr // 128 + E tiles, never 128 per tile when E >= 1).
+    s_cols = at_s.shape[-1] if at_s.dim() == 2 else -1
+    looks_padded = s_cols >= E and ld == s_cols * TILE
+    if padded:
+        if not looks_padded:
+            raise ValueError(
+                f"padded=True expects at_q (M, n_tiles * 128) with at_s (M, n_tiles), n_tiles >= E = {E} "
+                f"(quantize_cols_grouped(..., padded=True)); got at_q "
+                f"{tuple(at_q.shape)}, at_s {tuple(at_s.shape)} (an unpadded pair needs padded=False)"
+            )
+        n_tiles = s_cols
+    else:
+        n_tiles = max_tiles(ld, E, TILE)
+        if s_cols != n_tiles and looks_padded:
+            raise ValueError(
+                f"at_q {tuple(at_q.shape)} with at_s {tuple(at_s.shape)} is the padded layout "
+                f"(128 columns per tile): pass padded=True"
+            )
     _check_scales(at_s, (M, n_tiles), "at_s")
     _check_scales(bt_s, (NCOL, n_tiles), "bt_s")
     if out_dtype not in (torch.bfloat16, torch.float32):
@@ -494,8 +528,8 @@ def fp8_wgrad(
         return out
     tile_offs = group_tile_offsets(offsets_E1)
     _fp8_wgrad_kernel[(E * triton.cdiv(M, bm) * triton.cdiv(NCOL, bn),)](
-        at_q, at_s, bt_q, bt_s, out, offsets_E1, tile_offs, n_tiles, Nr, M, NCOL,
-        BLOCK_M=bm, BLOCK_N=bn, SOFT=interpreting(), ALIGNED=aligned_offsets,
+        at_q, at_s, bt_q, bt_s, out, offsets_E1, tile_offs, n_tiles, ld, M, NCOL,
+        BLOCK_M=bm, BLOCK_N=bn, SOFT=interpreting(), ALIGNED=aligned_offsets and not padded, PADDED=padded,
         num_warps=num_warps if not interpreting() else 4, num_stages=num_stages,
     )  # fmt: skip
     return out
@@ -535,24 +569,30 @@ def fp8_gate_up_swiglu_ref(x_q, x_s, w1_q, w1_s, w3_q, w3_s, sorted_slot_N, offs
     return g, u, torch.nn.functional.silu(g) * u
 
 
-def cols_grouped_dequant_ref(qt: torch.Tensor, st: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
-    """(Nr, K) float64 rows back from a :func:`quant.quantize_cols_grouped` pair (qt (K, Nr), st)."""
-    K, Nr = qt.shape
-    out = torch.zeros((Nr, K), dtype=torch.float64, device=qt.device)
+def cols_grouped_dequant_ref(qt: torch.Tensor, st: torch.Tensor, offsets_E1: torch.Tensor,
+                             padded: bool = False) -> torch.Tensor:
+    """(Nr, K) float64 rows back from a :func:`quant.quantize_cols_grouped` pair (qt (K, Nr), st).
+
+    ``padded``: qt is (K, n_tiles * 128) in the padded layout; returns the offsets_E1[E] covered
+    rows (the padding is not read: a GEMM that relies on it being zero is checked against this).
+    """
+    K = qt.shape[0]
     offs = offsets_E1.tolist()
+    out = torch.zeros((offs[-1] if padded else qt.shape[1], K), dtype=torch.float64, device=qt.device)
     tile = 0
     for e in range(offs.__len__() - 1):
         for r0 in range(offs[e], offs[e + 1], TILE):
             r1 = min(r0 + TILE, offs[e + 1])
-            out[r0:r1] = (qt[:, r0:r1].double() * st[:, tile : tile + 1].double()).t()
+            c0 = tile * TILE if padded else r0
+            out[r0:r1] = (qt[:, c0 : c0 + r1 - r0].double() * st[:, tile : tile + 1].double()).t()
             tile += 1
     return out
 
 
-def fp8_wgrad_ref(at_q, at_s, bt_q, bt_s, offsets_E1) -> torch.Tensor:
-    """float64 (E, M, Ncol) reference of :func:`fp8_wgrad`."""
-    dy = cols_grouped_dequant_ref(at_q, at_s, offsets_E1)
-    x = cols_grouped_dequant_ref(bt_q, bt_s, offsets_E1)
+def fp8_wgrad_ref(at_q, at_s, bt_q, bt_s, offsets_E1, padded=False) -> torch.Tensor:
+    """float64 (E, M, Ncol) reference of :func:`fp8_wgrad` (either layout, as ``padded`` says)."""
+    dy = cols_grouped_dequant_ref(at_q, at_s, offsets_E1, padded)
+    x = cols_grouped_dequant_ref(bt_q, bt_s, offsets_E1, padded)
     offs = offsets_E1.tolist()
     E = len(offs) - 1
     out = torch.zeros((E, dy.shape[1], x.shape[1]), dtype=torch.float64, device=dy.device)

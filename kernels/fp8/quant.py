@@ -11,7 +11,9 @@ one per tile, such that ``x ~= q.float() * s`` tile by tile. The tiles:
   as the row copy.
 - expert-grouped 128 x 1 tiles for the MoE wgrad, :func:`quantize_cols_grouped`: the 128-row blocks
   follow each expert's rows (the tile table of :mod:`kernels.mega_moe.routing` with block_m = 128),
-  so a block never straddles two experts; rows may be gathered by token on the fly.
+  so a block never straddles two experts; rows may be gathered by token on the fly. Stored either
+  at the rows' own positions or "padded": tile i at columns [128 i, 128 i + 128), zero filled, so
+  the wgrad GEMM reads whole aligned 128-column blocks with no row mask.
 - weights, :func:`quantize_weight`: 128 x 128 blocks. (E, N, K) -> q (E, N, K),
   s (E, ceil(N/128), ceil(K/128)). A block's scale is symmetric in its two dims, so the transposed
   weight of dgrad is ``(q.mT, s.mT)``: no requantization.
@@ -174,11 +176,13 @@ def quantize_cols_grouped_ref(
     sorted_slot_N: torch.Tensor | None = None,
     top_k: int = 1,
     pow2_scales: bool = False,
+    padded: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of :func:`quantize_cols_grouped` (host loops; tests only).
 
     Rows not covered by an expert (r >= offsets_E1[E]) are left zero in qt; surplus tiles get
-    scale 0, as the kernel writes them.
+    scale 0, as the kernel writes them. ``padded``: qt (K, n_tiles * 128), tile i's rows at columns
+    ``128 i ...``, zeros past them and in surplus tiles (the kernel writes those zeros too).
     """
     if sorted_slot_N is not None:
         xg = x[(sorted_slot_N.long() // top_k)]
@@ -187,14 +191,16 @@ def quantize_cols_grouped_ref(
     Nr, K = xg.shape
     E = offsets_E1.numel() - 1
     offs = offsets_E1.tolist()
-    qt = torch.zeros((K, Nr), dtype=FP8, device=x.device)
-    st = torch.zeros((K, max_tiles(Nr, E, TILE)), dtype=torch.float32, device=x.device)
+    n_tiles = max_tiles(Nr, E, TILE)
+    qt = torch.zeros((K, n_tiles * TILE if padded else Nr), dtype=FP8, device=x.device)
+    st = torch.zeros((K, n_tiles), dtype=torch.float32, device=x.device)
     tile = 0
     for e in range(E):
         for r0 in range(offs[e], offs[e + 1], TILE):
             r1 = min(r0 + TILE, offs[e + 1])
             q, s = quantize_rowwise_ref(xg[r0:r1].t(), pow2_scales)  # (K, r1-r0), (K, 1)
-            qt[:, r0:r1] = q
+            c0 = tile * TILE if padded else r0
+            qt[:, c0 : c0 + r1 - r0] = q
             st[:, tile] = s[:, 0]
             tile += 1
     return qt, st
@@ -276,17 +282,18 @@ def _dual_kernel(
 @triton.jit
 def _cols_grouped_kernel(
     x_ptr,  # (T, K) if GATHER else (Nr, K)
-    qt_ptr,  # (K, Nr) uint8 out
+    qt_ptr,  # (K, LDQ) uint8 out
     st_ptr,  # (K, num_tiles) fp32 out
     sorted_slot_ptr,  # (Nr,) int32 (read if GATHER)
     offsets_ptr,  # (E+1,) int32
     table_ptr,  # (2, num_tiles) int32, block_m = 128
     num_tiles,
-    Nr,
+    LDQ,  # row stride of qt: Nr, or num_tiles * 128 if PADDED
     K,
     K_TOP,
     BLOCK_K: tl.constexpr,
     GATHER: tl.constexpr,
+    PADDED: tl.constexpr,
     POW2: tl.constexpr,
     SOFT: tl.constexpr,
 ):
@@ -295,14 +302,19 @@ def _cols_grouped_kernel(
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     kmask = offs_k < K
     k64 = offs_k.to(tl.int64)
+    offs_r = tl.arange(0, _TILE)
     expert = tl.load(table_ptr + pid_t)
     if expert < 0:
-        # Surplus tile of the static schedule: a defined scale, nothing else.
+        # Surplus tile of the static schedule: a defined scale; in the padded layout also its 128
+        # columns of zeros (every column of qt is then written, and the GEMM reads them unmasked).
         tl.store(st_ptr + k64 * num_tiles + pid_t, tl.zeros((BLOCK_K,), tl.float32), mask=kmask)
+        if PADDED:
+            zeros = tl.zeros((_TILE, BLOCK_K), tl.uint8)
+            tl.store(qt_ptr + k64[None, :] * LDQ + pid_t * _TILE + offs_r[:, None], zeros, mask=kmask[None, :])
         return
     row0 = tl.load(table_ptr + num_tiles + pid_t)
     row_end = tl.load(offsets_ptr + expert + 1)
-    rows = row0 + tl.arange(0, _TILE)
+    rows = row0 + offs_r
     rmask = rows < row_end
     if GATHER:
         src = (tl.load(sorted_slot_ptr + rows, mask=rmask, other=0) // K_TOP).to(tl.int64)
@@ -312,7 +324,12 @@ def _cols_grouped_kernel(
     x = tl.load(x_ptr + src[:, None] * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
     s = scale_from_amax(tl.max(tl.abs(x), axis=0), POW2)
     q = to_e4m3_bits(quantize_tile(x, s[None, :]), SOFT)
-    tl.store(qt_ptr + k64[None, :] * Nr + rows[:, None], q, mask=mask)
+    if PADDED:
+        # The whole 128-column block of tile pid_t: rows past the expert's end were loaded as +0.0,
+        # which quantizes to the byte 0x00, so the block's tail is the zero padding the GEMM relies on.
+        tl.store(qt_ptr + k64[None, :] * LDQ + pid_t * _TILE + offs_r[:, None], q, mask=kmask[None, :])
+    else:
+        tl.store(qt_ptr + k64[None, :] * LDQ + rows[:, None], q, mask=mask)
     tl.store(st_ptr + k64 * num_tiles + pid_t, s, mask=kmask)
 
 
@@ -416,6 +433,7 @@ def quantize_cols_grouped(
     top_k: int = 1,
     pow2_scales: bool = False,
     tiles: torch.Tensor | None = None,
+    padded: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """128 x 1 tiles over each expert's rows: the token-dim-quantized operand of the MoE wgrad.
 
@@ -424,18 +442,25 @@ def quantize_cols_grouped(
             (T, K) token rows gathered as ``x[sorted_slot_N[r] // top_k]`` (e.g. the layer input).
         offsets_E1: (E+1,) int32 from :func:`kernels.mega_moe.routing.sort_by_expert`.
         tiles: optional tile table for block_m = 128 (built if None).
+        padded: store each tile in its own 128 columns (see Returns), the layout of
+            ``fp8_wgrad(..., padded=True)``: an expert's rows then start at a multiple of 128,
+            which lets the GEMM's token-dim loads be vectorized, for E * 128 more columns.
     Returns:
         qt_KN: (K, Nr) e4m3, the quantized (gathered) rows stored transposed (token dim
             contiguous). Columns r >= offsets_E1[E] (empty slots) are not written.
-        st_KT: (K, Nr // 128 + E) fp32: column i is tile i of the 128-row tile table; tile i covers
-            rows ``[row0_i, min(row0_i + 128, end of its expert))``; surplus tiles get 0.
+            With ``padded``: qt_KP (K, n_tiles * 128), tile i at columns [128 i, 128 i + 128): its
+            rows first, then zeros; surplus tiles all zeros. Every column is written.
+        st_KT: (K, n_tiles) fp32, n_tiles = Nr // 128 + E: column i is tile i of the 128-row tile
+            table; tile i covers rows ``[row0_i, min(row0_i + 128, end of its expert))``; surplus
+            tiles get 0. The same in both layouts.
     """
     _check_input(x, 2, "x")
     Nr = sorted_slot_N.numel() if sorted_slot_N is not None else x.shape[0]
     K = x.shape[1]
     E = offsets_E1.numel() - 1
     n_tiles = max_tiles(Nr, E, TILE)
-    qt = torch.empty((K, Nr), device=x.device, dtype=FP8)
+    ldq = n_tiles * TILE if padded else Nr
+    qt = torch.empty((K, ldq), device=x.device, dtype=FP8)
     st = torch.empty((K, n_tiles), device=x.device, dtype=torch.float32)
     if K == 0 or n_tiles == 0:
         return qt, st
@@ -445,9 +470,9 @@ def quantize_cols_grouped(
     block_k = 128 if interpreting() else 64
     _cols_grouped_kernel[(n_tiles, triton.cdiv(K, block_k))](
         x, qt.view(torch.uint8), st, sorted_slot_N if sorted_slot_N is not None else offsets_E1,
-        offsets_E1, tiles, n_tiles, Nr, K, top_k,
-        BLOCK_K=block_k, GATHER=sorted_slot_N is not None, POW2=pow2_scales, SOFT=interpreting(),
-        num_warps=4,
+        offsets_E1, tiles, n_tiles, ldq, K, top_k,
+        BLOCK_K=block_k, GATHER=sorted_slot_N is not None, PADDED=padded, POW2=pow2_scales,
+        SOFT=interpreting(), num_warps=4,
     )  # fmt: skip
     return qt, st
 

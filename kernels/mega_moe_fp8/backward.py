@@ -11,7 +11,8 @@ With g, u the gate/up halves of H (saved by the forward, expert-sorted rows r, s
                                                                          K = 2F, scatter epilogue
     dW1[e] = dgate_e^T @ x_e, dW3[e] = dup_e^T @ x_e, dW2[e] = dy_e^T @ (s * A)_e
         wgrad="fp8":  fp8_wgrad on operands quantized 128 x 1 along each expert's rows
-                      (quantize_cols_grouped; x and dy gathered by token in that pass)
+                      (quantize_cols_grouped; x and dy gathered by token in that pass), in the
+                      padded layout (one 128-column block per tile) while WGRAD_PADDED is set
         wgrad="bf16": the bf16 mega kernels ``dw13`` / ``dw2`` on dH, x, dy, s * A
 
 dgrad reads each weight transposed: w2[e] as (F, D) and [w1[e]; w3[e]] as (D, 2F). A 128 x 128
@@ -48,6 +49,13 @@ from kernels.mega_moe.routing import max_tiles, tile_table
 from kernels.mega_moe_fp8.forward import gemm_blocks
 
 WGRAD_PRECISIONS = ("fp8", "bf16")
+
+# The FP8 wgrad's token-dim operands in the padded layout of quantize_cols_grouped (each 128-row
+# tile in its own 128 aligned columns, zero filled): fp8_wgrad's loads are then aligned and
+# unmasked, so they can be vectorized; the unpadded layout's arbitrary expert offsets left byte loads
+# (~50 TFLOP/s on the H200). Costs E * 128 more columns per operand. The speed-up is pending a GPU
+# measurement; False selects the unpadded layout (same numbers: same bytes and scales).
+WGRAD_PADDED = True
 
 
 @triton.jit
@@ -303,14 +311,15 @@ def moe_fp8_backward(
     # expert. dH's 2F columns are quantized in one pass; its gate and dup halves are contiguous row
     # ranges of the transposed copy, so dW1 and dW3 are two GEMMs with no slicing copy.
     tiles128 = tile_table(offsets_E1, N, TILE)
-    xt_q, xt_s = quantize_cols_grouped(x_TD, offsets_E1, sorted_slot_N, K, pow2_scales, tiles128)
-    dht_q, dht_s = quantize_cols_grouped(dh_N2F, offsets_E1, None, 1, pow2_scales, tiles128)
+    pad = WGRAD_PADDED  # read per call, so a test or a benchmark can switch layouts
+    xt_q, xt_s = quantize_cols_grouped(x_TD, offsets_E1, sorted_slot_N, K, pow2_scales, tiles128, padded=pad)
+    dht_q, dht_s = quantize_cols_grouped(dh_N2F, offsets_E1, None, 1, pow2_scales, tiles128, padded=pad)
     del dh_N2F
-    blocks = _wgrad_blocks()
-    dw1_EFD = fp8_wgrad(dht_q[:F], dht_s[:F], xt_q, xt_s, offsets_E1, w1_EFD.dtype, *blocks)
-    dw3_EFD = fp8_wgrad(dht_q[F:], dht_s[F:], xt_q, xt_s, offsets_E1, w3_EFD.dtype, *blocks)
+    bm, bn = _wgrad_blocks()
+    dw1_EFD = fp8_wgrad(dht_q[:F], dht_s[:F], xt_q, xt_s, offsets_E1, w1_EFD.dtype, bm, bn, padded=pad)
+    dw3_EFD = fp8_wgrad(dht_q[F:], dht_s[F:], xt_q, xt_s, offsets_E1, w3_EFD.dtype, bm, bn, padded=pad)
     del xt_q, xt_s, dht_q, dht_s
-    dyt_q, dyt_s = quantize_cols_grouped(dy_TD, offsets_E1, sorted_slot_N, K, pow2_scales, tiles128)
-    sat_q, sat_s = quantize_cols_grouped(sa_NF, offsets_E1, None, 1, pow2_scales, tiles128)
-    dw2_EDF = fp8_wgrad(dyt_q, dyt_s, sat_q, sat_s, offsets_E1, w2_EDF.dtype, *blocks)
+    dyt_q, dyt_s = quantize_cols_grouped(dy_TD, offsets_E1, sorted_slot_N, K, pow2_scales, tiles128, padded=pad)
+    sat_q, sat_s = quantize_cols_grouped(sa_NF, offsets_E1, None, 1, pow2_scales, tiles128, padded=pad)
+    dw2_EDF = fp8_wgrad(dyt_q, dyt_s, sat_q, sat_s, offsets_E1, w2_EDF.dtype, bm, bn, padded=pad)
     return dx_TD, dw1_EFD, dw3_EFD, dw2_EDF, ds_TK
