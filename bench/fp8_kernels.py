@@ -61,9 +61,10 @@ def main(T: int = 16384, top_k: int = 8, E: int = 128) -> None:
         _, a, (aq, as_) = G.fp8_gate_up_swiglu(xq, xs, w1q, w1s, w3q, w3s, slots, offs, top_k, quantize_a=True)
         g("down (A sorted)", lambda: G.fp8_grouped_gemm(aq, as_, w2q, w2s, offs, tiles=tiles), 2 * N * F * D)
         dh = torch.randn(N, F, device=dev, dtype=torch.bfloat16)
-        atq, ats = Q.quantize_cols_grouped(dh, offs, tiles=tiles)
-        btq, bts = Q.quantize_cols_grouped(x, offs, slots, top_k, tiles=tiles)
-        g("wgrad dW1 = dH^T x (K-grouped)", lambda: G.fp8_wgrad(atq, ats, btq, bts, offs), 2 * N * F * D)
+        atq, ats = Q.quantize_cols_grouped(dh, offs, tiles=tiles, padded=True)
+        btq, bts = Q.quantize_cols_grouped(x, offs, slots, top_k, tiles=tiles, padded=True)
+        g("wgrad dW1 = dH^T x (K-grouped, padded)", lambda: G.fp8_wgrad(atq, ats, btq, bts, offs, padded=True),
+          2 * N * F * D)
         print("\n".join(rows), flush=True)
 
 

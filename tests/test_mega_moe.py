@@ -82,13 +82,30 @@ def _check_against_reference(T, K, E, D, F, kind, dtype, rtol, seed):
     for name, g, g_ref in zip(("x", "topk_weights", "w1", "w3", "w2"), grads, ref_grads):
         assert g.dtype == leaves[("x", "topk_weights", "w1", "w3", "w2").index(name)].dtype
         assert torch.isfinite(g).all(), f"d{name} not finite; {msg}"
-        assert _rel(g, g_ref) < rtol, f"d{name}: rel err {_rel(g, g_ref):.2e}; {msg}"
+        if name == "topk_weights":
+            # ds[t, k] = dy[t] . out_k(x[t]) is an inner product that can cancel: with few slots
+            # (T = K = 1 on the GPU) its norm is no scale for bf16 error, and the check flaked
+            # (session 3). Measure against sum_d |dy| |out_k| instead: the size of the terms.
+            mag = _slot_output_magnitude(ref_leaves, ids, dy)
+            err = (g.double() - g_ref).norm() / torch.maximum(g_ref.norm(), mag.norm()).clamp_min(1e-30)
+            assert err < rtol, f"dtopk_weights: err {err:.2e} of the terms' size; {msg}"
+        else:
+            assert _rel(g, g_ref) < rtol, f"d{name}: rel err {_rel(g, g_ref):.2e}; {msg}"
 
     # Experts that receive no rows get exactly zero weight gradients.
     counts = torch.bincount(ids[ids >= 0].flatten(), minlength=E)
     for e in torch.nonzero(counts == 0).flatten().tolist():
         for name, g in zip(("w1", "w3", "w2"), grads[2:]):
             assert (g[e] == 0).all(), f"d{name}[{e}] of an empty expert is not zero; {msg}"
+
+
+def _slot_output_magnitude(ref_leaves, ids, dy):
+    """(T, K) float64: sum_d |dy[t, d]| |out_k(x_t)[d]|, out_k the expert output of slot (t, k)."""
+    x, _, w1, w3, w2 = (t.detach() for t in ref_leaves)
+    ones = torch.ones(ids.shape[0], 1, dtype=torch.float64, device=x.device)
+    cols = [(dy.double().abs() * moe_reference(x, ids[:, k : k + 1], ones, w1, w3, w2).abs()).sum(-1)
+            for k in range(ids.shape[1])]
+    return torch.stack(cols, 1)
 
 
 # (T, K, E, D, F, routing)

@@ -50,11 +50,14 @@ from kernels.mega_moe.routing import max_tiles, tile_table
 
 
 def _block_sizes(block_m: int | None, block_n: int | None) -> tuple[int, int]:
-    # GPU defaults are untuned first guesses (the bf16 gate_up config); the interpreter gets small
-    # tiles so the tests' partial tiles are exercised and stay fast.
+    # GPU defaults from the launch sweep of session 3 (BENCHMARKS Run 12, 30B shape, H200): 64-row
+    # tiles won for all three GEMMs. The scaled K step keeps two fp32 tiles live per output (the
+    # running sum and the fresh dot), four in gate/up: at 128 x 128 likely a spill (not checked
+    # with ncu). The interpreter gets small tiles so the tests' partial tiles are exercised and stay
+    # fast.
     if interpreting():
         return block_m or 16, block_n or 32
-    return block_m or 128, block_n or 128
+    return block_m or 64, block_n or 128
 
 
 def _check_fp8(t: torch.Tensor, ndim: int, name: str) -> None:
@@ -267,8 +270,8 @@ def fp8_grouped_gemm(
     block_n: int | None = None,
     out_slot_N: torch.Tensor | None = None,
     slot_weights_N: torch.Tensor | None = None,
-    num_warps: int = 8,
-    num_stages: int = 3,
+    num_warps: int = 4,  # Run 12 sweep
+    num_stages: int = 4,
 ) -> torch.Tensor:
     """out[r] = dequant(A)[src(r)] @ dequant(B)[e(r)]^T for the expert-sorted rows r.
 
@@ -345,7 +348,7 @@ def fp8_gate_up_swiglu(
     tiles: torch.Tensor | None = None,
     block_m: int | None = None,
     store_a: bool = True,
-    num_warps: int = 8,
+    num_warps: int = 8,  # Run 12 sweep: 8 warps at 64 rows (two accumulators)
     num_stages: int = 3,
 ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
     """FP8 gathered gate/up GEMM with the SwiGLU epilogue (FP8 twin of ``forward.gate_up``).
@@ -467,8 +470,8 @@ def fp8_wgrad(
     out_dtype: torch.dtype = torch.float32,
     block_m: int | None = None,
     block_n: int | None = None,
-    num_warps: int = 8,
-    num_stages: int = 3,
+    num_warps: int = 4,  # Run 12 sweep
+    num_stages: int = 4,
     aligned_offsets: bool = False,
     padded: bool = False,
 ) -> torch.Tensor:

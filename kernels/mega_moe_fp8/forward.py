@@ -31,9 +31,10 @@ from kernels.mega_moe.routing import sort_by_expert, tile_table
 
 def gemm_blocks() -> tuple[int, int]:
     """(block_m, block_n) of the M-tiled FP8 GEMMs (gate/up, down, dX); one tile table serves all.
-    On the GPU the building blocks' defaults (untuned). Under the interpreter, whose cost is per
-    program, 16-row tiles (the tests' experts end in partial tiles) and 128 columns (few programs)."""
-    return (16, 128) if interpreting() else (128, 128)
+    On the GPU 64 x 128, the building blocks' defaults (Run 12 sweep: gate/up 4.40 -> 1.81 ms,
+    down 0.97 -> 0.80 ms at the 30B shape against 128 x 128). Under the interpreter, whose cost is
+    per program, 16-row tiles (the tests' experts end in partial tiles) and 128 columns."""
+    return (16, 128) if interpreting() else (64, 128)
 
 
 def moe_fp8_forward(
