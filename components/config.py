@@ -47,8 +47,9 @@ class Model:
     rope_theta: float = _field(1e6, "RoPE base (Qwen3 base models: 1e6; the 235B -2507 release: 5e6)", gt=0)
     tokenizer_path: str = _field("assets/tokenizer/tokenizer.model", "sentencepiece .model file, Hugging Face "
                                  "tokenizer.json, or a folder holding one (e.g. a downloaded Qwen3 release)")
-    attention_backend: str = _field("auto", "SDPA kernel preference: auto lets SDPA choose (flash on H200); "
-                                    "cudnn measured 1.7x faster than flash at seq len 16384 (BENCHMARKS Run 1)",
+    attention_backend: str = _field("auto", "SDPA kernel preference: auto lets SDPA choose (cuDNN on the H200 with "
+                                    "torch 2.11, BENCHMARKS Run 12); cudnn measured 1.7x faster than flash at seq "
+                                    "len 16384 (Run 1)",
                                     choices=("auto", "cudnn", "flash", "math"))
 
 

@@ -79,4 +79,4 @@ def test_readme_config_reference_is_current():
 
     readme = Path("README.md").read_text()
     block = readme.split("<!-- config-reference -->\n", 1)[1].split("<!-- /config-reference -->", 1)[0]
-    assert block.strip() == config_markdown().strip(), "regenerate with: python -m components.config"
+    assert block.strip() == config_markdown().strip(), "regenerate with: python scripts/regen_config_reference.py"
