@@ -1,0 +1,47 @@
+"""bench.fp8_parity: the curve comparison, and one tiny end-to-end run of the script on CPU."""
+
+import json
+import sys
+
+import pytest
+
+from bench import fp8_parity as P
+
+
+def test_end_loss_and_comparison():
+    bf16 = {s: 10.0 - 0.01 * s for s in range(1, 101)}  # last 10 steps: 9.00 .. 9.09
+    close = {s: v * 1.005 for s, v in bf16.items()}
+    far = {s: v * 1.02 for s, v in bf16.items()}
+    assert P.end_loss(bf16) == pytest.approx(sum(10.0 - 0.01 * s for s in range(91, 101)) / 10)
+    assert P.end_loss({3: 2.0}) == 2.0  # one step: itself
+    cmp = P.compare_curves({"bf16": bf16, "mega_fp8": close, "gmm_fp8": far, "mega_fp8_all": {}})
+    assert "rel_diff" not in cmp["bf16"]
+    assert cmp["mega_fp8"]["rel_diff"] == pytest.approx(0.005) and cmp["mega_fp8"]["within"] is True
+    assert cmp["gmm_fp8"]["rel_diff"] == pytest.approx(0.02) and cmp["gmm_fp8"]["within"] is False
+    assert cmp["mega_fp8_all"]["end_loss"] is None  # a run that logged nothing is reported, not compared
+    table = P.markdown({"command": "c", "date": "d", "setting": "s", "comparison": cmp})
+    assert "| gmm_fp8 | 100 |" in table and "**no**" in table and "no steps logged" in table
+
+
+def test_bad_arguments():
+    with pytest.raises(SystemExit):
+        P.parse_args(["--runs", "mega_fp8"])  # no bf16 reference
+    with pytest.raises(SystemExit):
+        P.parse_args(["--runs", "bf16,fp4"])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="spawns the trainer")
+def test_runs_end_to_end_on_cpu(tmp_path):
+    """Two tiny runs (debug model, bf16 and TorchTitan's rowwise FP8 emulated on CPU) through the
+    script: each logs every step, the report compares them."""
+    cpu = ("--training.device cpu --model.flavor debug --compile.enable false --moe.backend grouped_mm "
+           "--training.mixed_precision_param float32 --metrics.summary_start_step 1 --metrics.summary_end_step 3")
+    rc = P.main(["--runs", "bf16,gmm_fp8", "--steps", "3", "--seq-len", "64", "--layers", "1",
+                 "--out", str(tmp_path), "--ours-args", cpu])
+    report = json.loads((tmp_path / "parity.json").read_text())
+    assert set(report["curves"]) == {"bf16", "gmm_fp8"}
+    assert all(len(c) == 3 for c in report["curves"].values()), report["curves"]
+    assert "--quantize.moe fp8_rowwise" in report["commands"]["gmm_fp8"]
+    assert report["comparison"]["gmm_fp8"]["within"] is True  # 3 steps from the same init: ~equal
+    assert rc == 0
+    assert (tmp_path / "parity.md").read_text().startswith("`python -m bench.fp8_parity")
