@@ -113,12 +113,13 @@ def time_moe_ops(T=16384, top_k=8, E=128, shapes=SHAPES, iters=20, device="cuda"
     return rows
 
 
-def sweep(T: int = 16384, top_k: int = 8, E: int = 128, D: int = 2048, F: int = 768) -> None:
+def sweep(T: int = 16384, top_k: int = 8, E: int = 128, D: int = 2048, F: int = 768, device: str = "cuda",
+          timer=None) -> list[str]:
     """Time each FP8 GEMM over launch parameters on one input (30B expert shape), and the wgrad
     kernel with and without the aligned-offsets hint on routing whose expert offsets are all
     multiples of 128 (each expert gets exactly T * top_k / E rows): is the unaligned token-dim
     load what holds it at ~50 TFLOP/s (Run 9)?"""
-    dev = "cuda"
+    dev, timer = device, timer or _ms
     N = T * top_k
     x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
     w1, w3 = ((torch.randn(E, F, D, device=dev) * 0.02).to(torch.bfloat16) for _ in range(2))
@@ -140,7 +141,7 @@ def sweep(T: int = 16384, top_k: int = 8, E: int = 128, D: int = 2048, F: int = 
 
     def t(label, fn, fl):
         try:
-            ms = _ms(fn)
+            ms = timer(fn)
             rows.append(f"{label:52s} {ms:8.3f} ms {fl / ms / 1e9:6.0f} TFLOP/s")
         except Exception as exc:  # a config that does not fit (shared memory, registers)
             rows.append(f"{label:52s} failed: {type(exc).__name__}: {str(exc)[:60]}")
@@ -156,6 +157,24 @@ def sweep(T: int = 16384, top_k: int = 8, E: int = 128, D: int = 2048, F: int = 
         t(f"down bm{bm} bn{bn} w{warps} s{stages}", lambda: G.fp8_grouped_gemm(
             aq, as_, w2q, w2s, offs, tiles=tiles, block_m=bm, block_n=bn, num_warps=warps,
             num_stages=stages), flops)
+    # The backward's M-tiled FP8 kernels: dA' + SwiGLU backward (dh, its own kernel) and dX.
+    from kernels.mega_moe_fp8 import backward as B
+
+    dy = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
+    dyq, dys = Q.quantize_rowwise(dy)
+    w2t_q, w2t_s = B._transposed(w2q), w2s.mT.contiguous()
+    h, _, _ = G.fp8_gate_up_swiglu(xq, xs, w1q, w1s, w3q, w3s, slots, offs, top_k)
+    s_TK = torch.rand(T, top_k, device=dev)
+    for bm, warps, stages in ((64, 8, 3), (64, 4, 3), (64, 8, 4), (32, 4, 3), (128, 8, 3)):
+        t(f"dh (dA' + SwiGLU bwd) bm{bm} w{warps} s{stages}", lambda: B.dh_swiglu(
+            dyq, dys, w2t_q, w2t_s, h, s_TK, slots, offs, block_m=bm, num_warps=warps, num_stages=stages), flops)
+    _, (dhq, dhs), _, _ = B.dh_swiglu(dyq, dys, w2t_q, w2t_s, h, s_TK, slots, offs)
+    w13t_q, w13t_s = B.dx_weight(w1, w3)
+    for bm, bn, warps, stages in ((64, 128, 4, 4), (64, 128, 8, 3), (128, 128, 8, 3), (64, 256, 8, 3)):
+        tiles = tile_table(offs, N, bm)
+        t(f"dX bm{bm} bn{bn} w{warps} s{stages}", lambda: G.fp8_grouped_gemm(
+            dhq, dhs, w13t_q, w13t_s, offs, tiles=tiles, block_m=bm, block_n=bn, out_slot_N=slots,
+            num_warps=warps, num_stages=stages), 2 * flops)
     t("wgrad bm128 bn128 w8 s3 (unaligned hint-free)", lambda: G.fp8_wgrad(atq, ats, btq, bts, offs), flops)
     t("wgrad bm128 bn128 w8 s3 aligned hint", lambda: G.fp8_wgrad(atq, ats, btq, bts, offs, aligned_offsets=True), flops)
     # The padded layout (quantize_cols_grouped(padded=True)): every tile at a multiple of 128.
@@ -171,6 +190,7 @@ def sweep(T: int = 16384, top_k: int = 8, E: int = 128, D: int = 2048, F: int = 
     got = G.fp8_wgrad(atq, ats, btq, bts, offs, aligned_offsets=True)
     print(f"wgrad aligned == unaligned: {torch.equal(ref, got)}")
     print("\n".join(rows))
+    return rows
 
 
 if __name__ == "__main__":

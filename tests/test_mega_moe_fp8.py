@@ -328,6 +328,15 @@ def test_bench_code_paths():
     assert len(rows) == 1 and "mega_fp8" in rows[0]
 
 
+@pytest.mark.skipif(_HAS_CUDA, reason="the GPU runs the real sweep (python -m bench.fp8_kernels --sweep)")
+def test_bench_sweep_code_paths():
+    """bench/fp8_kernels.py's launch sweep at a tiny size: every variant runs (none reports failed)."""
+    from bench import fp8_kernels
+
+    rows = fp8_kernels.sweep(T=64, top_k=2, E=1, D=128, F=128, device=DEVICE, timer=lambda fn: (fn(), 1.0)[1])
+    assert len(rows) >= 20 and not [r for r in rows if "failed" in r], rows
+
+
 # --------------------------------------------------------------------------------------------------
 # GPU only: the hardware path at the Qwen3-30B expert shape
 # --------------------------------------------------------------------------------------------------

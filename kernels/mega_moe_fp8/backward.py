@@ -176,6 +176,9 @@ def dh_swiglu(
     offsets_E1: torch.Tensor,
     store_sa: bool = True,
     pow2_scales: bool = False,
+    block_m: int | None = None,
+    num_warps: int = 8,
+    num_stages: int = 3,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor | None]:
     """FP8 dA' = dy_gathered @ w2[e] with the SwiGLU backward and the routing-weight grad as epilogue.
 
@@ -184,6 +187,8 @@ def dh_swiglu(
         w2t_q, w2t_s: (E, F, D) e4m3 and (E, ceil(F/128), ceil(D/128)) fp32: w2's quantized bytes
             and block scales transposed (``q.mT``, ``s.mT``, contiguous).
         h_N2F: (N, 2F) [gate | up] from the forward; topk_weights_TK: (T, K) fp32.
+        block_m, num_warps, num_stages: launch parameters (default ``dh_block_m()``, 8, 3; for
+            the benchmark sweep; the interpreter always uses 4 warps).
     Returns:
         dh_N2F: (N, 2F) [dgate | dup] in h's dtype, expert-sorted rows.
         (dh_q, dh_s): (N, 2 * FP) e4m3 and (N, 2 * ceil(F/128)) fp32, FP = F rounded up to 128:
@@ -203,7 +208,7 @@ def dh_swiglu(
     dh_s = torch.empty((N, 2 * FB), device=dev, dtype=torch.float32)
     sa_NF = torch.empty((N, F), device=dev, dtype=h_N2F.dtype) if store_sa else None
     ds_part_PN = torch.empty((FB, N), device=dev, dtype=torch.float32)
-    bm = dh_block_m()
+    bm = block_m or dh_block_m()
     n_tiles = max_tiles(N, E, bm)
     if N == 0:
         return dh_N2F, (dh_q, dh_s), ds_part_PN.sum(0).view(T, K), sa_NF
@@ -213,7 +218,7 @@ def dh_swiglu(
         sa_NF if store_sa else dh_N2F, ds_part_PN, sorted_slot_N, offsets_E1, tiles,
         n_tiles, N, K, D, F,
         BLOCK_M=bm, EVEN_K=D % TILE == 0, STORE_SA=store_sa, POW2=pow2_scales, SOFT=interpreting(),
-        num_warps=8 if not interpreting() else 4, num_stages=3,
+        num_warps=num_warps if not interpreting() else 4, num_stages=num_stages,
     )  # fmt: skip
     return dh_N2F, (dh_q, dh_s), ds_part_PN.sum(0).view(T, K), sa_NF
 
