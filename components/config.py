@@ -123,6 +123,11 @@ class Parallelism:
     expert_capacity_factor: float = _field(2.0, "EP receive buffers hold this many times the mean rows per "
                                            "rank; overflow stops the step with a message (a factor >= the EP "
                                            "degree never overflows)", gt=0)
+    expert_parallel_chunks: int = _field(1, "split each MoE layer's tokens into this many chunks so the all-to-all "
+                                         "of one chunk overlaps the expert GEMMs of another (e.g. 2-4 with EP > 1; "
+                                         "each chunk has its own capacity; ignored without EP). Overlaps in eager; "
+                                         "compiled, only with inductor's comm reordering on "
+                                         "(parallelisms/expert_parallel.py). Unmeasured on multi-GPU yet", ge=1)
 
 
 @dataclass

@@ -31,9 +31,10 @@ def moe_reference(
     acc_dtype = torch.promote_types(x_TD.dtype, torch.float32)
     y_TD = torch.zeros(x_TD.shape, dtype=acc_dtype, device=x_TD.device)
     for e in range(num_experts):
+        # No skip for an expert without rows: its empty products keep y connected to x and the
+        # weights, so a rank that receives no rows under expert parallelism still runs the backward
+        # all-to-all like its peers (a skip made the ranks fall out of step).
         token_idx, k_idx = torch.where(topk_ids_TK == e)
-        if token_idx.numel() == 0:
-            continue
         x_eD = x_TD[token_idx]
         h_eF = F.silu(x_eD @ w1_EFD[e].t()) * (x_eD @ w3_EFD[e].t())
         out_eD = h_eF @ w2_EDF[e].t()

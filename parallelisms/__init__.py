@@ -21,7 +21,8 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: JobConfig, dist
         from parallelisms.expert_parallel import apply_ep
 
         dtype = torch.bfloat16 if cfg.training.mixed_precision_param == "bfloat16" else torch.float32
-        apply_ep(model, dims.mesh, cfg.parallelism.expert_capacity_factor, dtype)
+        apply_ep(model, dims.mesh, cfg.parallelism.expert_capacity_factor, dtype,
+                 cfg.parallelism.expert_parallel_chunks)
     apply_compile(model, cfg.compile)
     apply_ac(model, cfg.activation_checkpoint)
     if distributed:

@@ -23,19 +23,63 @@ K = 1 routing; the backend groups them by expert itself (``mega`` gathers rows b
 GEMM, so no extra copy of the received rows is made). Routing weights are applied back on the
 source rank, in float32, when the k outputs of a token are summed, so the router's gradient never
 crosses the network.
+
+Overlap (``[parallelism] expert_parallel_chunks`` = P > 1): a layer's T tokens are split into P
+contiguous chunks (sizes differ by at most one; min(P, T) chunks, so P > T still works), each with
+its own send layout and capacity C_i = capacity(T_i, K). All chunks' dispatch all-to-alls are
+issued first; then each chunk runs the experts on its received rows and issues its combine
+all-to-all at once; the weighted sums over k come last. P = 1 is the unchunked path exactly.
+
+In eager, functional collectives return tensors that are waited on at first use (on GPU a stream
+dependency, not a host sync), so the dispatch of chunks 1..P-1 and the combine of chunk i travel
+while later chunks' GEMMs run. A compiled block is different: tracing puts each wait right after
+its collective, and inductor leaves it there unless its comm/compute reordering is on
+(``torch._inductor.config.reorder_for_compute_comm_overlap`` with its passes, or
+``aten_distributed_optimizations.enable_overlap_scheduling``, which needs a GPU) -- seen in the
+generated code of a CPU run. So with ``[compile] enable`` and inductor's defaults, P > 1 overlaps
+nothing and only adds its cost. The backward's all-to-alls are funcol's autograd formula, which
+also waits right after issuing; what overlaps there depends on the order autograd runs the
+chunks' nodes.
+
+Every rank must run the same collectives in the same order, the backward's included, so a
+backend's output must depend on its input rows even when all of them are empty. ``grouped_mm`` and
+``mega`` compute empty rows and mask them, and so does the ``torch`` reference backend (it used to
+skip experts without rows: a rank that received no row at all then skipped the dispatch's backward
+all-to-all and the ranks fell out of step -- gloo aborted; likely with tiny chunks).
+
+Chunked pipelining is the first overlap method because it needs nothing beyond the NCCL
+all-to-all already used; pulling rows from peers through symmetric memory (no all-to-all at all)
+is left until multi-GPU machines are available to measure both. Because capacity is per chunk, a
+chunk can overflow where the whole layer would not have (and vice versa), so P > 1 drops
+differently from P = 1 only when the capacity binds; with a factor >= ep nothing is ever dropped.
+The cost: P times as many, P times smaller all-to-alls and expert GEMM launches per layer, plus a
+concatenation of the chunks' outputs. Whether that wins is unmeasured: multi-GPU machines have been
+withheld so far, so the default stays 1. Nothing here uses NVLink multicast (it must stay off).
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
 
+class _Layout(NamedTuple):
+    """One chunk's static-capacity send layout (:meth:`ExpertParallel._dispatch`), kept for its combine."""
+
+    sorted_slots_N: torch.Tensor  # the (token, k) slots in expert order
+    sorted_ids_N: torch.Tensor  # their expert ids
+    keep_N: torch.Tensor  # False where the slot did not fit its destination's C rows
+    send_row_N: torch.Tensor  # the slot's row in the send buffer (``trash`` if dropped)
+    trash: int  # ep x C: the rows of the send buffer
+
+
 class ExpertParallel:
-    def __init__(self, mesh: DeviceMesh, num_experts: int, capacity_factor: float, param_dtype: torch.dtype):
+    def __init__(self, mesh: DeviceMesh, num_experts: int, capacity_factor: float, param_dtype: torch.dtype,
+                 chunks: int = 1):
         self.ep_mesh = mesh["ep"]
         self.shard_mesh = mesh["dp_shard_mod_ep"]
         self.ep = self.ep_mesh.size()
@@ -43,6 +87,7 @@ class ExpertParallel:
         self.num_local_experts = num_experts // self.ep
         self.capacity_factor = capacity_factor
         self.param_dtype = param_dtype
+        self.chunks = chunks
 
     def gather_weight(self, w: torch.Tensor) -> torch.Tensor:
         """This rank's experts, whole: (E/ep, ...) in the compute dtype, from the sharded parameter."""
@@ -55,12 +100,46 @@ class ExpertParallel:
         most_possible = num_tokens * min(top_k, self.num_local_experts)
         return max(1, min(math.ceil(self.capacity_factor * num_tokens * top_k / self.ep), most_possible))
 
+    def chunk_sizes(self, num_tokens: int) -> list[int]:
+        """Token counts of the chunks: min(chunks, T) of them (one if T = 0), differing by at most
+        one (the first T mod n one larger). Python ints: T is static for a compiled graph."""
+        n = max(1, min(self.chunks, num_tokens))
+        return [num_tokens // n + (i < num_tokens % n) for i in range(n)]
+
     def __call__(self, backend, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                  w1_local: torch.Tensor, w3_local: torch.Tensor, w2_local: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (y_TD, dropped_E): the combined output and the slots per expert that did not fit."""
+        sizes = self.chunk_sizes(x_TD.shape[0])
+        if len(sizes) == 1:  # no split views: P = 1 runs exactly the unchunked graph
+            chunks = [(x_TD, topk_ids_TK, topk_weights_TK)]
+        else:
+            chunks = list(zip(x_TD.split(sizes), topk_ids_TK.split(sizes), topk_weights_TK.split(sizes)))
+
+        # Every chunk's dispatch is issued before any expert compute, so later chunks' rows can be
+        # in flight while the first chunk's GEMMs run; the combine of each chunk is issued as soon
+        # as its GEMMs are done, and read only after the last chunk's (when the waits are deferred:
+        # in eager, not in a default compile -- see the module docstring).
+        sent = [self._dispatch(x, ids) for x, ids, _ in chunks]
+        backs = []
+        for recv_x, recv_expert, _ in sent:
+            ones = torch.ones(recv_x.shape[0], 1, dtype=torch.float32, device=x_TD.device)
+            y_recv = backend(recv_x, recv_expert.view(-1, 1), ones, w1_local, w3_local, w2_local)
+            backs.append(funcol.all_to_all_single_autograd(y_recv, None, None, self.ep_mesh))
+        outs = [self._combine(y_back, layout, weights, x_TD.dtype)
+                for y_back, (_, _, layout), (_, _, weights) in zip(backs, sent, chunks)]
+        if len(outs) == 1:
+            return outs[0]
+        y_TD = torch.cat([y for y, _ in outs])
+        dropped_E = torch.stack([d for _, d in outs]).sum(dim=0)
+        return y_TD, dropped_E
+
+    def _dispatch(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, _Layout]:
+        """Lays out one chunk's slots in a static-capacity send buffer and issues its all-to-alls.
+        Returns (recv_x, recv_expert, layout): the rows this rank's experts receive (waited on at
+        first use), their local expert ids (-1 = empty row), and the layout for :meth:`_combine`."""
         T, K = topk_ids_TK.shape
-        D = x_TD.shape[1]
         ep, n_local = self.ep, self.num_local_experts
         C = self.capacity(T, K)
         device = x_TD.device
@@ -90,24 +169,30 @@ class ExpertParallel:
 
         recv_x = funcol.all_to_all_single_autograd(send_x, None, None, self.ep_mesh)
         recv_expert = funcol.all_to_all_single(row_expert, None, None, self.ep_mesh)
-        ones = torch.ones(recv_x.shape[0], 1, dtype=torch.float32, device=device)
-        y_recv = backend(recv_x, recv_expert.view(-1, 1), ones, w1_local, w3_local, w2_local)
-        y_back = funcol.all_to_all_single_autograd(y_recv, None, None, self.ep_mesh)
+        return recv_x, recv_expert, _Layout(sorted_slots_N, sorted_ids_N, keep_N, send_row_N, trash)
 
-        # Combine: each slot reads its row back (slot order), masked where dropped, weighted, summed.
+    def _combine(self, y_back: torch.Tensor, layout: _Layout, topk_weights_TK: torch.Tensor, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chunk's output from the rows its experts sent back: each slot reads its row (slot
+        order), masked where dropped, weighted, summed over k. Returns (y_TD, dropped_E)."""
+        T, K = topk_weights_TK.shape
+        D = y_back.shape[1]
+        sorted_slots_N, sorted_ids_N, keep_N, send_row_N, trash = layout
         slot_row_N = torch.empty_like(send_row_N).scatter(0, sorted_slots_N, send_row_N)
         slot_keep_N = torch.empty_like(keep_N).scatter(0, sorted_slots_N, keep_N)
         out_TKD = y_back[slot_row_N.clamp(max=trash - 1)].view(T, K, D).float()
         out_TKD = torch.where(slot_keep_N.view(T, K, 1), out_TKD, 0.0)
-        y_TD = (out_TKD * topk_weights_TK.float().unsqueeze(-1)).sum(dim=1).to(x_TD.dtype)
-        dropped_E = torch.zeros(self.num_experts, dtype=torch.float32, device=device)
+        y_TD = (out_TKD * topk_weights_TK.float().unsqueeze(-1)).sum(dim=1).to(dtype)
+        dropped_E = torch.zeros(self.num_experts, dtype=torch.float32, device=y_back.device)
         dropped_E = dropped_E.scatter_add(0, sorted_ids_N, (~keep_N).float())
         return y_TD, dropped_E
 
 
-def apply_ep(model: torch.nn.Module, mesh: DeviceMesh, capacity_factor: float, param_dtype: torch.dtype) -> None:
+def apply_ep(model: torch.nn.Module, mesh: DeviceMesh, capacity_factor: float, param_dtype: torch.dtype,
+             chunks: int = 1) -> None:
     """Shard every layer's expert weights over the mesh (see the module docstring) and route its
-    tokens through :class:`ExpertParallel`. Call on the meta-device model, before FSDP."""
+    tokens through :class:`ExpertParallel`, in ``chunks`` pipelined chunks per layer. Call on the
+    meta-device model, before FSDP."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     shard = mesh["dp_shard_mod_ep"].size()
@@ -120,7 +205,7 @@ def apply_ep(model: torch.nn.Module, mesh: DeviceMesh, capacity_factor: float, p
                                  f"{shard} ranks that shard each expert group (dp_shard / ep)")
             dtensor = distribute_tensor(param, mesh, [Replicate(), Shard(1), Shard(0)])
             experts.register_parameter(name, torch.nn.Parameter(dtensor))
-        experts.expert_parallel = ExpertParallel(mesh, experts.num_experts, capacity_factor, param_dtype)
+        experts.expert_parallel = ExpertParallel(mesh, experts.num_experts, capacity_factor, param_dtype, chunks)
 
 
 def expert_params(model: torch.nn.Module) -> set[torch.nn.Parameter]:

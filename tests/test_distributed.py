@@ -155,6 +155,16 @@ LAYOUTS = {
                         "aot_eager"]),
     "dp_shard2_x_ep2_full_ac_compile": (4, ["--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode",
                                             "full", "--compile.enable", "--compile.backend", "aot_eager"]),
+    # Chunked EP pipelining, with a capacity factor >= ep so no chunk can drop a slot: the result
+    # must be the unchunked one (compiled: the chunk loop is traced into one fullgraph). 64 tokens
+    # per rank: 3 chunks are uneven (22, 21, 21), and 100 chunks become 64 of one token each.
+    "ep2_chunks2_compile": (2, ["--parallelism.expert_parallel_degree", "2", "--parallelism.expert_capacity_factor",
+                                "2", "--parallelism.expert_parallel_chunks", "2", "--compile.enable", "--compile.backend",
+                                "aot_eager"]),
+    "ep4_chunks3": (4, ["--parallelism.expert_parallel_degree", "4", "--parallelism.expert_capacity_factor", "4",
+                        "--parallelism.expert_parallel_chunks", "3"]),
+    "ep2_chunks_over_tokens": (2, ["--parallelism.expert_parallel_degree", "2", "--parallelism.expert_parallel_chunks",
+                                   "100"]),
 }
 
 
@@ -162,9 +172,11 @@ LAYOUTS = {
 def test_layout_matches_single_process(layout, reference, tmp_path):
     world, args = LAYOUTS[layout]
     got = spawn(world, args, reference["init"], str(tmp_path / "out.pt"))
-    if "mega" in args or "--training.loss_chunk_size" in args:
-        # Another backend, or the chunked loss, rounds differently from the reference run; Adam's
-        # first steps amplify that on near-zero gradients (seen: 1 of 65536 weights off by 1.6e-5).
+    if "mega" in args or "--training.loss_chunk_size" in args or layout == "ep2_chunks_over_tokens":
+        # Another backend, the chunked loss, or expert GEMMs on one row at a time (one-token EP
+        # chunks) round differently from the reference run; Adam's first steps amplify that on
+        # near-zero gradients (seen: 1 of 65536 weights off by 1.6e-5; one-token chunks: 2 of 16384
+        # by 3e-5).
         assert_same_training(got, reference[world], atol=1e-4)
     else:
         assert_same_training(got, reference[world])
@@ -197,6 +209,22 @@ def test_ep_capacity_overflow_is_reported_not_dropped(reference, tmp_path):
     got = spawn(2, ["--parallelism.expert_parallel_degree", "2", "--parallelism.expert_capacity_factor", "0.2"],
                 reference["init"], str(tmp_path / "out.pt"), mode="overflow")
     assert "step 1:" in got["message"] and "did not fit the expert-parallel receive buffers" in got["message"]
+
+
+def test_ep_capacity_overflow_is_reported_with_chunks(reference, tmp_path):
+    """Each chunk has its own (smaller) buffers; their overflow is summed and reported the same way."""
+    got = spawn(2, ["--parallelism.expert_parallel_degree", "2", "--parallelism.expert_capacity_factor", "0.2",
+                    "--parallelism.expert_parallel_chunks", "3"],
+                reference["init"], str(tmp_path / "out.pt"), mode="overflow")
+    assert "step 1:" in got["message"] and "did not fit the expert-parallel receive buffers" in got["message"]
+
+
+def test_expert_parallel_chunks_must_be_positive():
+    from components.config import ConfigError, parse_args
+
+    with pytest.raises(ConfigError, match=r"command line: \[parallelism\] expert_parallel_chunks = 0 is out of "
+                                          r"range: must be >= 1"):
+        parse_args(BASE + ["--parallelism.expert_parallel_chunks", "0"])
 
 
 @pytest.mark.parametrize("name,world", [("qwen3_30b_a3b", 32), ("qwen3_235b_a22b", 128)])

@@ -148,3 +148,17 @@ def test_grouped_mm_float32_on_cuda_falls_back_to_the_loop():
     torch.testing.assert_close(y.double(), ref_y, rtol=1e-4, atol=1e-4)
     for g, rg in zip(grads, ref_grads):
         torch.testing.assert_close(g.double(), rg, rtol=1e-4, atol=1e-4)
+
+
+def test_reference_stays_connected_without_rows():
+    """Every slot empty (a rank that receives no rows under EP): the reference's output still depends
+    on x and the weights, so its backward runs (zero gradients) and the EP ranks run the same
+    backward all-to-alls."""
+    x = torch.randn(3, 8, requires_grad=True)
+    w1, w3 = (torch.randn(2, 4, 8, requires_grad=True) for _ in range(2))
+    w2 = torch.randn(2, 8, 4, requires_grad=True)
+    ids = torch.full((3, 1), -1)
+    y = moe_reference(x, ids, torch.ones(3, 1), w1, w3, w2)
+    assert y.requires_grad and (y == 0).all()
+    grads = torch.autograd.grad(y.sum(), (x, w1, w3, w2))
+    assert all((g == 0).all() for g in grads)
