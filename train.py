@@ -59,8 +59,9 @@ def check_implemented(cfg: JobConfig) -> None:
     if name == "mega_fp8" and on_gpu:
         # Correct on the H200 (its GPU tests pass, session 3) but not yet fast: say so at start.
         print("warning: [quantize] moe = \"fp8_blockwise\" (the FP8 mega kernels) is correct but still slower "
-              "than bf16 mega on the H200 (0.2x fwd+bwd, BENCHMARKS Run 9; issue 6); for speed use "
-              "[quantize] moe = \"none\"", file=sys.stderr, flush=True)
+              "than bf16 mega on the H200 (0.2x fwd+bwd in BENCHMARKS Run 9; its kernels were retuned since, "
+              "Run 12, the whole op not re-timed; issue 6); for speed use [quantize] moe = \"none\"",
+              file=sys.stderr, flush=True)
 
 
 def resolve_device(choice: str) -> torch.device:

@@ -149,16 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     if not (TOKENIZER_DIR / "tokenizer.json").is_file():
         write_tokenizer()
     data_dir = write_jsonl_data(out / "data")
-    by_name = {r.name: r for r in plan(setting, toml_path=out / "unused.toml", data_dir=data_dir,
-                                        ours_extra=shlex.split(args.ours_args))}
+    # The caller's overrides are appended below, after each run's own arguments (last wins).
+    by_name = {r.name: r for r in plan(setting, toml_path=out / "unused.toml", data_dir=data_dir)}
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     curves: dict[str, dict[int, float]] = {}
     commands: dict[str, str] = {}
     for name in args.run_names:
         base, extra = RUNS[name]
-        cmd = by_name[base].cmd + extra
-        if args.ours_args:  # keep the caller's overrides last, after the run's own arguments
-            cmd += shlex.split(args.ours_args)
+        cmd = by_name[base].cmd + extra + shlex.split(args.ours_args)
         commands[name] = display(cmd)
         log_path = out / "logs" / f"{name}.log"
         info = run_one(Run(name, name, "ours", "fp8" if "fp8" in name else "bf16", cmd), log_path, args.timeout, env)

@@ -423,14 +423,9 @@ def _fp8_wgrad_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SOFT: tl.constexpr,
-    ALIGNED: tl.constexpr,
     PADDED: tl.constexpr,
 ):
     expert, offs_m, offs_n, start, end = expert_tile(tl.program_id(0), M, NCOL, offsets_ptr, BLOCK_M, BLOCK_N)
-    if ALIGNED:
-        # Every expert's rows start at a multiple of 128 (the caller says so): the loads along the
-        # token dim can then be vectorized; an arbitrary start leaves the compiler byte loads.
-        start = tl.multiple_of(start, 128)
     t0 = tl.load(tile_offsets_ptr + expert)
     t1 = tl.load(tile_offsets_ptr + expert + 1)
     offs_m_ld = (offs_m % M).to(tl.int64)
@@ -472,7 +467,6 @@ def fp8_wgrad(
     block_n: int | None = None,
     num_warps: int = 4,  # Run 12 sweep
     num_stages: int = 4,
-    aligned_offsets: bool = False,
     padded: bool = False,
 ) -> torch.Tensor:
     """dW[e] = dY_e^T @ X_e, the sum over expert e's rows, from token-dim-quantized operands.
@@ -484,8 +478,6 @@ def fp8_wgrad(
             T rows, Ncol). Both must come from the same offsets_E1 (same 128-row tiles).
         offsets_E1: (E+1,) int32.
         num_warps, num_stages: launch parameters (bench sweeps; the interpreter uses 4 warps).
-        aligned_offsets: promise that every offset is a multiple of 128 (wrong results otherwise).
-            No effect with ``padded``, whose columns are aligned whatever the offsets.
         padded: the operands are in the padded layout of ``quantize_cols_grouped(..., padded=True)``:
             at_q (M, n_tiles * 128), bt_q (Ncol, n_tiles * 128), at_s (M, n_tiles), bt_s
             (Ncol, n_tiles), n_tiles = Nr // 128 + E; tile i at columns [128 i, 128 i + 128),
@@ -532,7 +524,7 @@ def fp8_wgrad(
     tile_offs = group_tile_offsets(offsets_E1)
     _fp8_wgrad_kernel[(E * triton.cdiv(M, bm) * triton.cdiv(NCOL, bn),)](
         at_q, at_s, bt_q, bt_s, out, offsets_E1, tile_offs, n_tiles, ld, M, NCOL,
-        BLOCK_M=bm, BLOCK_N=bn, SOFT=interpreting(), ALIGNED=aligned_offsets and not padded, PADDED=padded,
+        BLOCK_M=bm, BLOCK_N=bn, SOFT=interpreting(), PADDED=padded,
         num_warps=num_warps if not interpreting() else 4, num_stages=num_stages,
     )  # fmt: skip
     return out

@@ -21,18 +21,23 @@ from kernels.fp8.quant import quantize_cols_grouped_ref, quantize_rowwise_ref, q
 from kernels.mega_moe.routing import sort_by_expert
 
 
+def _slot_rows(buf_ND: torch.Tensor, valid_N: torch.Tensor, T: int, dtype: torch.dtype) -> torch.Tensor:
+    """(T, K, D) float64: the per-slot rows rounded to ``dtype`` (as the kernels store them), zero
+    for invalid slots."""
+    rows = torch.where(valid_N[:, None], buf_ND.to(dtype).double(), 0.0)
+    return rows.view(T, -1, buf_ND.shape[1])
+
+
 def _sum_valid_slots(buf_ND: torch.Tensor, valid_N: torch.Tensor, T: int, dtype: torch.dtype) -> torch.Tensor:
     """out[t] = sum_k buf[t*K + k] over the valid slots, buf rounded to ``dtype`` first, fp32 sum."""
-    rows = torch.where(valid_N[:, None], buf_ND.to(dtype).float(), 0.0)
-    return rows.view(T, -1, buf_ND.shape[1]).sum(1).to(dtype)
+    return _slot_rows(buf_ND, valid_N, T, dtype).float().sum(1).to(dtype)
 
 
 def _valid_slot_abs_sum(buf_ND: torch.Tensor, valid_N: torch.Tensor, T: int, dtype: torch.dtype) -> torch.Tensor:
     """sum_k |buf[t*K + k]| over the valid slots (rows rounded to ``dtype``), float64: the scale of
     the per-slot rounding error in a sum over k. When slots cancel, one ulp of a slot can exceed an
     ulp of the sum, so comparisons of such sums measure their error against this, not the sum."""
-    rows = torch.where(valid_N[:, None], buf_ND.to(dtype).double().abs(), 0.0)
-    return rows.view(T, -1, buf_ND.shape[1]).sum(1)
+    return _slot_rows(buf_ND, valid_N, T, dtype).abs().sum(1)
 
 
 def _by_slot(rows_N: torch.Tensor, sorted_slot_N: torch.Tensor) -> torch.Tensor:
@@ -57,10 +62,11 @@ def mega_moe_fp8_forward_ref(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD,
     a_q, a_s = quantize_rowwise_ref(a, pow2_scales)
     ybuf = fp8_grouped_gemm_ref(a_q, a_s, w2_q, w2_s, offsets_E1, out_slot_N=sorted_slot_N,
                                 slot_weights_N=topk_weights_TK.reshape(-1).float())
-    y_TD = _sum_valid_slots(ybuf, topk_ids_TK.reshape(-1) >= 0, T, dtype)
+    valid_N = topk_ids_TK.reshape(-1) >= 0
+    y_TD = _sum_valid_slots(ybuf, valid_N, T, dtype)
     out = (y_TD, torch.cat([g, u], 1), sorted_slot_N, offsets_E1)
     if with_magnitude:
-        out += (_valid_slot_abs_sum(ybuf, topk_ids_TK.reshape(-1) >= 0, T, dtype),)
+        out += (_valid_slot_abs_sum(ybuf, valid_N, T, dtype),)
     return out
 
 
@@ -100,8 +106,9 @@ def mega_moe_fp8_backward_ref(dy_TD, x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_E
         dxbuf = dxbuf + fp8_grouped_gemm_ref(h_q, h_s, w_q.mT.contiguous(), w_s.mT.contiguous(), offsets_E1,
                                              out_slot_N=sorted_slot_N)
     in_expert_N = torch.arange(T * K, device=x_TD.device) < n
-    dx_TD = _sum_valid_slots(dxbuf, _by_slot(in_expert_N, sorted_slot_N), T, dtype)
-    dx_mag_TD = _valid_slot_abs_sum(dxbuf, _by_slot(in_expert_N, sorted_slot_N), T, dtype)
+    valid_N = _by_slot(in_expert_N, sorted_slot_N)
+    dx_TD = _sum_valid_slots(dxbuf, valid_N, T, dtype)
+    dx_mag_TD = _valid_slot_abs_sum(dxbuf, valid_N, T, dtype) if with_magnitude else None
 
     sa = pad((act.to(dtype).double() * s_n1).to(dtype))
     if wgrad == "fp8":
