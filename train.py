@@ -270,6 +270,11 @@ def main(argv: list[str] | None = None) -> int:
     except (NonFiniteLossError, ExpertCapacityError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    finally:
+        # Destroy the process groups while the interpreter is whole: left to finalization, gloo
+        # groups can abort the process at exit (see tests/multiprocess.py).
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     return 0
 
 

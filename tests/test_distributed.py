@@ -75,9 +75,8 @@ def _worker(rank: int, world: int, port: int, args: list[str], init_path: str, o
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    import torch.distributed as dist
-
     from components.config import parse_args
+    from tests.multiprocess import abandon_worker, finish_worker
     from train import Trainer
 
     try:
@@ -94,7 +93,7 @@ def _worker(rank: int, world: int, port: int, args: list[str], init_path: str, o
             except ExpertCapacityError as e:
                 if rank == 0:
                     torch.save({"message": str(e)}, out_path)
-            return
+            finish_worker()
         if mode == "resume":
             trainer.step = trainer.checkpoint.maybe_load()
             losses = run_steps(trainer, global_batches(dp, seed=1), dp, False, start_step=trainer.step)
@@ -106,8 +105,10 @@ def _worker(rank: int, world: int, port: int, args: list[str], init_path: str, o
         state = full_state(trainer.model)
         if rank == 0:
             torch.save({"losses": losses, "state": state}, out_path)
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        abandon_worker()
+        raise
+    finish_worker()
 
 
 def spawn(world: int, args: list[str], init_path: str, out_path: str, mode: str = "train", ckpt_dir=None) -> dict:

@@ -170,6 +170,7 @@ def _load_worker(rank: int, world: int, port: int, hf_dir: str, out_path: str) -
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from components.config import parse_args
+    from tests.multiprocess import abandon_worker, finish_worker
     from train import Trainer
 
     try:
@@ -181,8 +182,10 @@ def _load_worker(rank: int, world: int, port: int, hf_dir: str, out_path: str) -
         sd = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank == 0:
             torch.save({k: v.clone() for k, v in sd.items()}, out_path)
-    finally:
-        torch.distributed.destroy_process_group()
+    except BaseException:
+        abandon_worker()
+        raise
+    finish_worker()
 
 
 @pytest.mark.skipif(__import__("sys").platform != "linux", reason="multi-process tests use gloo on Linux")
