@@ -30,6 +30,8 @@ from components.profiling import StepProfiler
 from components.tokenizer import TokenizerError, build_tokenizer
 from kernels import available_moe_backends, resolve_moe_backend
 from models.moe.router import update_expert_bias
+from models.moe.weight_cache import (cache_mode, enable_expert_weight_cache, invalidate_expert_weight_caches,
+                                     refresh_expert_weight_caches)
 from models.qwen3.args import get_model_args
 from models.qwen3.model import Qwen3MoE, count_params
 from parallelisms import parallelize_model
@@ -126,9 +128,13 @@ class Trainer:
         model.to_empty(device=self.device)
         model.init_weights()
         self.model = model
+        self.weight_cache_mode = self._enable_weight_cache(cfg)
 
         self.optimizer = build_optimizer(model, cfg.optimizer, self.device.type)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, t.steps, cfg.lr_scheduler)
+        if self.weight_cache_mode is not None:
+            # For eager forwards outside train_step (which refreshes the caches itself).
+            self.optimizer.register_step_post_hook(lambda *_: invalidate_expert_weight_caches(model))
         self.checkpoint = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, model, self.optimizer,
                                             self.lr_scheduler, self.dataloader,
                                             model_identity(self.model_args, m.flavor))
@@ -140,13 +146,39 @@ class Trainer:
         self.amp = (torch.autocast(self.device.type, dtype=torch.bfloat16)
                     if t.mixed_precision_param == "bfloat16" and not self.distributed else contextlib.nullcontext())
 
+    def _enable_weight_cache(self, cfg: JobConfig) -> str | None:
+        """Cache the experts' compute-form weights per optimizer step (models/moe/weight_cache.py)
+        where this trainer converts them per call; returns the mode or None."""
+        if not cfg.moe.cache_expert_weights:
+            return None
+        backend = resolve_moe_backend(cfg.moe.backend, cfg.quantize.moe)
+        if not self.distributed:
+            dtype = torch.bfloat16 if cfg.training.mixed_precision_param == "bfloat16" else None
+            whole = True
+        elif self.parallel_dims.ep_enabled:
+            ep = next(m.expert_parallel for m in self.model.modules() if getattr(m, "expert_parallel", None))
+            dtype = ep.param_dtype if ep.param_dtype != torch.float32 else None
+            whole = ep.experts_whole
+        else:
+            return None  # FSDP's all-gather casts the expert weights; nothing to take over
+        mode = cache_mode(backend, dtype, whole)
+        if mode is not None:
+            pow2 = False
+            if mode == "fp8_blockwise":
+                from kernels.mega_moe_fp8 import get_options
+
+                pow2 = get_options().pow2_scales
+            enable_expert_weight_cache(self.model, mode, dtype, pow2)
+        return mode
+
     def describe(self) -> str:
         total, active = count_params(self.model_args)
         a, d = self.model_args, self.parallel_dims
         return (f"{self.cfg.job.description}: Qwen3-MoE {self.cfg.model.flavor} ({a.n_layers} layers, dim {a.dim}, "
                 f"{a.num_experts} experts top-{a.top_k}, {total / 1e6:,.1f}M params, {active / 1e6:,.1f}M active) "
                 f"on {self.device}, MoE backend {self.cfg.moe.backend!r}, "
-                f"{self.cfg.training.mixed_precision_param}, grad accumulation {self.grad_accum_steps}, "
+                f"{self.cfg.training.mixed_precision_param}, expert weight cache "
+                f"{self.weight_cache_mode or 'off'}, grad accumulation {self.grad_accum_steps}, "
                 f"world {d.world_size} = dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} (EP {d.ep} within)")
 
     def train_step(self, data_iter) -> tuple[float, float, float]:
@@ -154,6 +186,10 @@ class Trainer:
         the losses averaged over micro-batches and data-parallel ranks."""
         cfg = self.cfg
         params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.weight_cache_mode is not None:
+            # Once per step, outside the compiled graph, whatever changed the weights since the last
+            # (optimizer step, checkpoint load): their versions cannot tell (models/moe/weight_cache.py).
+            refresh_expert_weight_caches(self.model)
         # ce, aux, dropped slots: summed on device, read once at the end of the step.
         totals = torch.zeros(3, device=self.device)
         tokens_per_expert_LE = None

@@ -5,11 +5,14 @@
 
 Prints time, TFLOP/s (GEMMs, counting only routed rows) and GB/s (quantization: bytes read +
 written). The GEMM block sizes are untuned first guesses (see grouped_gemm._block_sizes).
-Then :func:`time_moe_ops`: the whole ``mega_fp8`` op (forward, forward + backward) next to the bf16
-``mega`` op on the same inputs, with their ratio.
+Then :func:`time_moe_ops`: the whole ``mega_fp8`` op (forward, forward + backward), quantizing its
+weights per call and with them pre-quantized (the trainer's expert weight cache), next to the bf16
+``mega`` op on the same inputs, with their ratios.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -80,34 +83,46 @@ def _moe_inputs(T, D, F, E, top_k, device):
 
 
 def time_moe_ops(T=16384, top_k=8, E=128, shapes=SHAPES, iters=20, device="cuda", timer=None) -> list[str]:
-    """Median ms of the whole MoE op, forward and forward + backward, ``mega_fp8`` vs bf16 ``mega``.
+    """Median ms of the whole MoE op, forward and forward + backward: bf16 ``mega``, ``mega_fp8``
+    quantizing its weights per call, and ``mega_fp8`` as the trainer runs it with the expert weight
+    cache (``cached``: e4m3 copies made beforehand, float32 master weights as gradient carriers,
+    their gradients written in float32).
 
     ``timer(fn, iters)`` returns ms (default: CUDA events, :func:`bench.timing.time_ms`); the tests run
     this at a tiny size on CPU with a wall clock to exercise the code paths.
     """
+    from kernels.mega_moe_fp8.weights import QuantizedExpertWeights
+
     timer = timer or time_ms
     rows = []
     for name, (D, F) in shapes.items():
         x, ids, s, w1, w3, w2, dy = _moe_inputs(T, D, F, E, top_k, device)
-        leaves = [t.clone().requires_grad_() for t in (x, s, w1, w3, w2)]
+        quantized = QuantizedExpertWeights.quantize(w1, w3, w2)
+        variants = {
+            "mega": (get_moe_backend("mega"), (w1, w3, w2)),
+            "mega_fp8": (get_moe_backend("mega_fp8"), (w1, w3, w2)),
+            "cached": (functools.partial(get_moe_backend("mega_fp8"), quantized=quantized),
+                       (w1.float(), w3.float(), w2.float())),
+        }
         flops = 2 * T * top_k * D * F * 3  # forward: gate, up, down
         ms = {}
-        for backend in ("mega", "mega_fp8"):
-            fn = get_moe_backend(backend)
+        for label, (fn, ws) in variants.items():
+            leaves = [t.clone().requires_grad_() for t in (x, s, *ws)]
 
-            def fwd():
+            def fwd(fn=fn, ws=ws):
                 with torch.no_grad():
-                    fn(x, ids, s, w1, w3, w2)
+                    fn(x, ids, s, *ws)
 
-            def fwd_bwd():
+            def fwd_bwd(fn=fn, leaves=leaves):
                 torch.autograd.grad(fn(leaves[0], ids, *leaves[1:]), leaves, dy)
 
-            ms[backend] = (timer(fwd, iters), timer(fwd_bwd, iters))
-        (f16, fb16), (f8, fb8) = ms["mega"], ms["mega_fp8"]
+            ms[label] = (timer(fwd, iters), timer(fwd_bwd, iters))
+        (f16, fb16), (f8, fb8), (fc, fbc) = ms["mega"], ms["mega_fp8"], ms["cached"]
         rows.append(
             f"{name:10s} T={T} top-{top_k} E={E}  fwd: mega {f16:7.3f} ms, mega_fp8 {f8:7.3f} ms "
-            f"({flops / f8 / 1e9:5.0f} TFLOP/s, {f16 / f8:4.2f}x)  fwd+bwd: mega {fb16:7.3f} ms, "
-            f"mega_fp8 {fb8:7.3f} ms ({3 * flops / fb8 / 1e9:5.0f} TFLOP/s, {fb16 / fb8:4.2f}x)"
+            f"({flops / f8 / 1e9:5.0f} TFLOP/s, {f16 / f8:4.2f}x), cached {fc:7.3f} ms ({f16 / fc:4.2f}x)  "
+            f"fwd+bwd: mega {fb16:7.3f} ms, mega_fp8 {fb8:7.3f} ms ({3 * flops / fb8 / 1e9:5.0f} TFLOP/s, "
+            f"{fb16 / fb8:4.2f}x), cached {fbc:7.3f} ms ({3 * flops / fbc / 1e9:5.0f} TFLOP/s, {fb16 / fbc:4.2f}x)"
         )
         print(rows[-1], flush=True)
     return rows

@@ -61,6 +61,12 @@ class MoE:
                                "aux-loss-free bias (DeepSeek-V3); none", choices=("aux_loss", "expert_bias", "none"))
     aux_loss_coef: float = _field(0.001, "weight of the router auxiliary loss in the total loss", ge=0)
     bias_update_rate: float = _field(0.001, "expert_bias step size per optimizer step", ge=0)
+    cache_expert_weights: bool = _field(True, "convert the float32 expert weights to their compute form (bf16 copy, or "
+                                        "the e4m3 copies of [quantize] moe = fp8_blockwise) once per optimizer "
+                                        "step instead of on every call; costs one bf16-sized copy of this rank's "
+                                        "expert weights. Applies where the trainer casts them itself (one process "
+                                        "with bf16 autocast, or expert parallelism); FSDP-managed experts are cast "
+                                        "by FSDP's all-gather")
 
 
 @dataclass

@@ -91,10 +91,18 @@ class ExpertParallel:
 
     def gather_weight(self, w: torch.Tensor) -> torch.Tensor:
         """This rank's experts, whole: (E/ep, ...) in the compute dtype, from the sharded parameter."""
-        local = w.to_local().to(self.param_dtype)
+        return self.gather_shards(w.to_local().to(self.param_dtype))
+
+    def gather_shards(self, local: torch.Tensor) -> torch.Tensor:
+        """This rank's experts whole from its shard of them (identity without expert-FSDP sharding)."""
         if self.shard_mesh.size() > 1:
             local = funcol.all_gather_tensor_autograd(local, 1, self.shard_mesh)
         return local
+
+    @property
+    def experts_whole(self) -> bool:
+        """Whether this rank holds its experts' weights whole (no expert-FSDP sharding)."""
+        return self.shard_mesh.size() == 1
 
     def capacity(self, num_tokens: int, top_k: int) -> int:
         most_possible = num_tokens * min(top_k, self.num_local_experts)

@@ -104,7 +104,7 @@ def _worker(rank: int, world: int, port: int, args: list[str], init_path: str, o
                 trainer.checkpoint.save(STEPS)
         state = full_state(trainer.model)
         if rank == 0:
-            torch.save({"losses": losses, "state": state}, out_path)
+            torch.save({"losses": losses, "state": state, "cache": trainer.weight_cache_mode}, out_path)
     except BaseException:
         abandon_worker()
         raise
@@ -254,3 +254,18 @@ def test_bad_parallel_configs(world, args, pattern):
     cfg = parse_args(BASE + args)
     with pytest.raises(ConfigError, match=pattern):
         build_parallel_dims(cfg.parallelism, world, 8)
+
+
+@pytest.mark.parametrize("ep_args", [["--parallelism.expert_parallel_degree", "2"],
+                                     ["--parallelism.expert_parallel_degree", "2",
+                                      "--parallelism.expert_parallel_chunks", "2"]], ids=["ep2", "ep2-chunks2"])
+def test_expert_weight_cache_under_ep(reference, tmp_path, ep_args):
+    """bf16 compute with EP 2: each rank caches the bf16 copy of its expert shard (DTensor
+    parameters, refreshed after each optimizer step); training is bitwise that of the per-call casts."""
+    bf16 = ["--training.mixed_precision_param", "bfloat16"] + ep_args
+    got = spawn(2, bf16, reference["init"], str(tmp_path / "cached.pt"))
+    want = spawn(2, bf16 + ["--moe.cache_expert_weights", "false"], reference["init"], str(tmp_path / "plain.pt"))
+    assert (got["cache"], want["cache"]) == ("bf16", None)
+    assert got["losses"] == want["losses"]
+    for name, value in want["state"].items():
+        assert torch.equal(got["state"][name], value), name

@@ -136,7 +136,7 @@ def _check(T, K, E, D, F, kind, outliers=False, wgrad="fp8", pow2=False, dh_quan
     leaves = [t.clone().requires_grad_() for t in (x, s, w1, w3, w2)]
     # Through the custom op itself (what mega_moe_fp8 calls) so that H and the routing metadata are
     # at hand for the tight reference.
-    y, h, slots, offs = torch.ops.mega_moe_fp8.forward(leaves[0], ids, *leaves[1:], wgrad, pow2)
+    y, h, slots, offs = torch.ops.mega_moe_fp8.forward(leaves[0], ids, *leaves[1:], wgrad, pow2, [])
     grads = torch.autograd.grad(y, leaves, dy)
     assert y.dtype == BF16 and y.shape == (T, D), msg
     for name, g, leaf in zip(GRADS, grads, leaves):
@@ -325,7 +325,7 @@ def test_bench_code_paths():
 
     rows = fp8_kernels.time_moe_ops(T=8, top_k=2, E=2, shapes={"tiny": (128, 128)}, iters=1,
                                     device=DEVICE, timer=wall_ms if not _HAS_CUDA else None)
-    assert len(rows) == 1 and "mega_fp8" in rows[0]
+    assert len(rows) == 1 and "mega_fp8" in rows[0] and "cached" in rows[0]
 
 
 @pytest.mark.skipif(_HAS_CUDA, reason="the GPU runs the real sweep (python -m bench.fp8_kernels --sweep)")

@@ -36,7 +36,10 @@ def _check_device(x_TD: torch.Tensor) -> None:
     )
 
 
-def _check_inputs(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF) -> None:
+def _check_inputs(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, match_weight_dtype: bool = True
+                  ) -> None:
+    """Shapes, dtypes and devices; ``match_weight_dtype=False`` (weights that only carry gradients,
+    the FP8 op with cached e4m3 copies) asks the weights for a float dtype instead of x's."""
     if x_TD.dim() != 2:
         raise ValueError(f"mega_moe: x_TD must be 2-D (T, D), got shape {tuple(x_TD.shape)}")
     if x_TD.dtype not in _DTYPES:
@@ -67,7 +70,10 @@ def _check_inputs(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF) ->
     if w2_EDF.shape != (E, D, F):
         raise ValueError(f"mega_moe: w2_EDF must have shape (E={E}, D={D}, F={F}), got {tuple(w2_EDF.shape)}")
     for name, w in (("w1_EFD", w1_EFD), ("w3_EFD", w3_EFD), ("w2_EDF", w2_EDF)):
-        if w.dtype != x_TD.dtype:
+        if not match_weight_dtype:
+            if not w.dtype.is_floating_point:
+                raise TypeError(f"mega_moe: {name} must be a float tensor, got {w.dtype}")
+        elif w.dtype != x_TD.dtype:
             raise TypeError(f"mega_moe: {name} has dtype {w.dtype} but x_TD has {x_TD.dtype}; they must match")
     for name, t in (
         ("topk_ids_TK", topk_ids_TK),

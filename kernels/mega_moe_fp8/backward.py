@@ -47,6 +47,7 @@ from kernels.mega_moe.common import cast_out, sum_over_k, tile_rows, valid_slots
 from kernels.mega_moe.configs import get_configs
 from kernels.mega_moe.routing import max_tiles, tile_table
 from kernels.mega_moe_fp8.forward import gemm_blocks
+from kernels.mega_moe_fp8.weights import QuantizedExpertWeights
 
 WGRAD_PRECISIONS = ("fp8", "bf16")
 
@@ -271,12 +272,15 @@ def moe_fp8_backward(
     offsets_E1: torch.Tensor,
     wgrad: str = "fp8",
     pow2_scales: bool = False,
+    quantized: QuantizedExpertWeights | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the FP8 backward. Inputs contiguous, dy/x/weights bf16, routing weights fp32.
+    """Launch the FP8 backward. Inputs contiguous, dy/x bf16, routing weights fp32; the weights
+    bf16, or of any float dtype when ``quantized`` holds their e4m3 copies (then only their shapes
+    and dtypes are read).
     Empty slots (expert id -1) get zero gradients; an expert with no rows gets zero weight grads.
 
     Returns:
-        dx_TD, dw1_EFD, dw3_EFD, dw2_EDF (bf16), dtopk_weights_TK (fp32).
+        dx_TD (x's dtype), dw1_EFD, dw3_EFD, dw2_EDF (each in its weight's dtype), dtopk_weights_TK (fp32).
     """
     if wgrad not in WGRAD_PRECISIONS:
         raise ValueError(f"mega_fp8: wgrad must be one of {WGRAD_PRECISIONS}, got {wgrad!r}")
@@ -284,16 +288,22 @@ def moe_fp8_backward(
     E, F, D = w1_EFD.shape
     N = T * K
     dy_q, dy_s = quantize_rowwise(dy_TD, pow2_scales)
-    w2_q, w2_s = quantize_weight(w2_EDF, pow2_scales)
-    w2t_q, w2t_s = _transposed(w2_q), w2_s.mT.contiguous()
-    del w2_q, w2_s
+    if quantized is None:
+        w2_q, w2_s = quantize_weight(w2_EDF, pow2_scales)
+        w2t_q, w2t_s = _transposed(w2_q), w2_s.mT.contiguous()
+        del w2_q, w2_s
+    else:
+        w2t_q, w2t_s = quantized.w2t_q, quantized.w2t_s
     dh_N2F, (dh_q, dh_s), ds_TK, sa_NF = dh_swiglu(
         dy_q, dy_s, w2t_q, w2t_s, h_N2F, topk_weights_TK, sorted_slot_N, offsets_E1,
         store_sa=True, pow2_scales=pow2_scales,
     )  # fmt: skip
     del dy_q, dy_s, w2t_q, w2t_s
 
-    w13t_q, w13t_s = dx_weight(w1_EFD, w3_EFD, pow2_scales)
+    if quantized is None:
+        w13t_q, w13t_s = dx_weight(w1_EFD, w3_EFD, pow2_scales)
+    else:
+        w13t_q, w13t_s = quantized.w13t_q, quantized.w13t_s
     bm, bn = gemm_blocks()
     dxbuf_ND = fp8_grouped_gemm(
         dh_q, dh_s, w13t_q, w13t_s, offsets_E1, out_dtype=x_TD.dtype, tiles=tile_table(offsets_E1, N, bm),
@@ -310,7 +320,8 @@ def moe_fp8_backward(
         configs = get_configs(D, F, E, x_TD.dtype)
         dw1_EFD, dw3_EFD = dw13(x_TD, dh_N2F, sorted_slot_N, offsets_E1, E, K, configs.dw13)
         dw2_EDF = dw2(dy_TD, h_N2F, topk_weights_TK, sa_NF, sorted_slot_N, offsets_E1, E, configs.dw2)
-        return dx_TD, dw1_EFD, dw3_EFD, dw2_EDF, ds_TK
+        # The bf16 kernels write x's dtype; float32 master weights (cached copies) take float32.
+        return (dx_TD, dw1_EFD.to(w1_EFD.dtype), dw3_EFD.to(w3_EFD.dtype), dw2_EDF.to(w2_EDF.dtype), ds_TK)
 
     # FP8 wgrad: both operands quantized along the reduction (token) dim in 128-row blocks of one
     # expert. dH's 2F columns are quantized in one pass; its gate and dup halves are contiguous row

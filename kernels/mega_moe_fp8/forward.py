@@ -11,12 +11,11 @@ every GEMM operand in block-scaled e4m3, composed from the building blocks of ``
     y[t]        = sum_k Ybuf[t*K + k]                                  sum_over_k (fp32, fixed order)
 
 The weights are quantized on every call, here and again in the backward (which also makes the
-transposed copies dgrad reads): per layer and step that is 2 reads of the bf16 weights and ~4 bytes
-written/read per weight element, about 3.6 GB or ~0.9 ms at the 30B shape (E 128, F 768, D 2048)
-against ~4 ms of GEMMs at T = 16384. Caching the e4m3 copies until the next optimizer step is a
-follow-up, not done: a cache keyed on the parameter must treat FSDP's fresh all-gathers, EP's
-gathered shards and autocast's per-call casts as new weights, and must drop the copies on
-``optimizer.step``.
+transposed copies dgrad reads), unless the caller passes ``quantized``: the copies made once per
+optimizer step by ``models/moe/weight_cache.py`` (``weights.py``). Per call that is 2 reads of the
+bf16 weights and ~4 bytes written/read per weight element, about 3.6 GB or ~0.9 ms at the 30B shape
+(E 128, F 768, D 2048) against ~4 ms of GEMMs at T = 16384, paid three times per step under full
+activation checkpointing (forward, recomputation, backward).
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from kernels.fp8.grouped_gemm import fp8_gate_up_swiglu, fp8_grouped_gemm
 from kernels.fp8.quant import interpreting, quantize_rowwise, quantize_weight
 from kernels.mega_moe.common import sum_over_k, valid_slots
 from kernels.mega_moe.routing import sort_by_expert, tile_table
+from kernels.mega_moe_fp8.weights import QuantizedExpertWeights
 
 
 def gemm_blocks() -> tuple[int, int]:
@@ -45,8 +45,10 @@ def moe_fp8_forward(
     w3_EFD: torch.Tensor,
     w2_EDF: torch.Tensor,
     pow2_scales: bool = False,
+    quantized: QuantizedExpertWeights | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the FP8 forward. x and the weights bf16, contiguous; routing weights fp32.
+    """Launch the FP8 forward. x and the weights bf16, contiguous; routing weights fp32. With
+    ``quantized`` (the weights' e4m3 copies) the weights are not read and may have any dtype.
 
     Returns:
         y_TD: (T, D) bf16.
@@ -59,14 +61,17 @@ def moe_fp8_forward(
     bm, bn = gemm_blocks()
     tiles = tile_table(offsets_E1, T * K, bm)
     x_q, x_s = quantize_rowwise(x_TD, pow2_scales)
-    w1_q, w1_s = quantize_weight(w1_EFD, pow2_scales)
-    w3_q, w3_s = quantize_weight(w3_EFD, pow2_scales)
+    if quantized is None:
+        w1_q, w1_s = quantize_weight(w1_EFD, pow2_scales)
+        w3_q, w3_s = quantize_weight(w3_EFD, pow2_scales)
+    else:
+        w1_q, w1_s, w3_q, w3_s = quantized.w1_q, quantized.w1_s, quantized.w3_q, quantized.w3_s
     h_N2F, _, (a_q, a_s) = fp8_gate_up_swiglu(
         x_q, x_s, w1_q, w1_s, w3_q, w3_s, sorted_slot_N, offsets_E1, K, out_dtype=x_TD.dtype,
         quantize_a=True, store_a=False, pow2_scales=pow2_scales, tiles=tiles, block_m=bm,
     )  # fmt: skip
     del x_q, x_s, w1_q, w1_s, w3_q, w3_s
-    w2_q, w2_s = quantize_weight(w2_EDF, pow2_scales)
+    w2_q, w2_s = quantize_weight(w2_EDF, pow2_scales) if quantized is None else (quantized.w2_q, quantized.w2_s)
     ybuf_ND = fp8_grouped_gemm(
         a_q, a_s, w2_q, w2_s, offsets_E1, out_dtype=x_TD.dtype, tiles=tiles, block_m=bm, block_n=bn,
         out_slot_N=sorted_slot_N, slot_weights_N=topk_weights_TK.view(-1),

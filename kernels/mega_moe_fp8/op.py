@@ -10,9 +10,12 @@ the scales applied per 128-long K step. Forward and backward are ``torch.library
 (``mega_moe_fp8::forward``, ``mega_moe_fp8::backward``) with fake implementations and a registered
 autograd formula, so ``torch.compile(fullgraph=True)`` sees the layer as one node each way.
 
-Saved for backward, as in the bf16 op: x, the routing weights, the three bf16 weights, H = [gate |
-up] (N x 2F bf16) and the routing metadata. The e4m3 weight copies are not saved (the backward
-requantizes; see ``forward.py`` for the cost and the cache that is not done).
+Saved for backward, as in the bf16 op: x, the routing weights, the three weights, H = [gate | up]
+(N x 2F bf16) and the routing metadata. The weights' e4m3 copies are made per call (forward and
+again in the backward), or once per optimizer step by the caller and passed as ``quantized``
+(:class:`~kernels.mega_moe_fp8.weights.QuantizedExpertWeights`; ``models/moe/weight_cache.py``
+does this in training), in which case the weights themselves are only gradient carriers: they may
+be the float32 master weights, whose gradients the kernels then write in float32 directly.
 
 Options (:class:`MegaFP8Options`, module-wide through :func:`set_options` / :func:`options`):
 ``wgrad`` "fp8" (default) or "bf16" for the weight gradients, ``pow2_scales`` to round every scale
@@ -33,6 +36,7 @@ from kernels.mega_moe.op import _check_device, _check_inputs
 from kernels.mega_moe.op import _forward_fake as _bf16_forward_fake
 from kernels.mega_moe_fp8.backward import WGRAD_PRECISIONS, moe_fp8_backward
 from kernels.mega_moe_fp8.forward import moe_fp8_forward
+from kernels.mega_moe_fp8.weights import QuantizedExpertWeights
 
 _Tensors4 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 _Tensors5 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -94,14 +98,21 @@ def _forward_op(
     w2_EDF: torch.Tensor,
     wgrad: str,
     pow2_scales: bool,
+    wq: list[torch.Tensor],
 ) -> _Tensors4:
-    """Returns (y_TD, h_N2F, sorted_slot_N int32, offsets_E1 int32); ``wgrad`` is for the backward."""
+    """Returns (y_TD, h_N2F, sorted_slot_N int32, offsets_E1 int32); ``wgrad`` is for the backward;
+    ``wq`` the weights' e4m3 copies (``QuantizedExpertWeights.tensors()``) or empty."""
     _check_device(x_TD)
-    return moe_fp8_forward(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, pow2_scales)
+    return moe_fp8_forward(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, pow2_scales,
+                           _quantized(wq, pow2_scales))
+
+
+def _quantized(wq: list[torch.Tensor], pow2_scales: bool) -> QuantizedExpertWeights | None:
+    return QuantizedExpertWeights.from_tensors(wq, pow2_scales) if wq else None
 
 
 @_forward_op.register_fake
-def _forward_fake(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, wgrad, pow2_scales):
+def _forward_fake(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, wgrad, pow2_scales, wq):
     # Outputs of the bf16 op's shapes and dtypes.
     return _bf16_forward_fake(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF)
 
@@ -119,25 +130,31 @@ def _backward_op(
     offsets_E1: torch.Tensor,
     wgrad: str,
     pow2_scales: bool,
+    wq: list[torch.Tensor],
 ) -> _Tensors5:
-    """Returns (dx_TD, dw1_EFD, dw3_EFD, dw2_EDF, dtopk_weights_TK fp32)."""
+    """Returns (dx_TD, dw1_EFD, dw3_EFD, dw2_EDF in the weights' dtypes, dtopk_weights_TK fp32)."""
     _check_device(x_TD)
     return moe_fp8_backward(
-        dy_TD, x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, h_N2F, sorted_slot_N, offsets_E1, wgrad, pow2_scales
+        dy_TD, x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, h_N2F, sorted_slot_N, offsets_E1, wgrad, pow2_scales,
+        _quantized(wq, pow2_scales),
     )
 
 
 @_backward_op.register_fake
 def _backward_fake(dy_TD, x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, h_N2F, sorted_slot_N, offsets_E1,
-                   wgrad, pow2_scales):
+                   wgrad, pow2_scales, wq):
     return _bf16_backward_fake(dy_TD, x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, h_N2F, sorted_slot_N,
                                offsets_E1)
 
 
+_N_SAVED = 8
+
+
 def _setup_context(ctx, inputs, output):
-    x_TD, _, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, wgrad, pow2_scales = inputs
+    x_TD, _, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, wgrad, pow2_scales, wq = inputs
     _, h_N2F, sorted_slot_N, offsets_E1 = output
-    ctx.save_for_backward(x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, h_N2F, sorted_slot_N, offsets_E1)
+    # The cached e4m3 copies are saved by reference (they live until the next optimizer step anyway).
+    ctx.save_for_backward(x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, h_N2F, sorted_slot_N, offsets_E1, *wq)
     ctx.wgrad, ctx.pow2_scales = wgrad, pow2_scales
 
 
@@ -145,16 +162,18 @@ def _autograd_backward(ctx, dy_TD, _dh, _dslot, _doffsets):
     # Only y carries a gradient: H and the routing metadata are returned for the backward alone.
     saved = ctx.saved_tensors
     dy_TD = dy_TD.to(saved[0].dtype).contiguous()
-    dx, dw1, dw3, dw2, ds = torch.ops.mega_moe_fp8.backward(dy_TD, *saved, ctx.wgrad, ctx.pow2_scales)
-    return dx, None, ds, dw1, dw3, dw2, None, None
+    dx, dw1, dw3, dw2, ds = torch.ops.mega_moe_fp8.backward(
+        dy_TD, *saved[:_N_SAVED], ctx.wgrad, ctx.pow2_scales, list(saved[_N_SAVED:]))
+    # The custom op's autograd wants the inputs' structure back: one None per tensor of wq.
+    return dx, None, ds, dw1, dw3, dw2, None, None, [None] * (len(saved) - _N_SAVED)
 
 
 _forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
-def _check_bf16(x_TD, w1_EFD, w3_EFD, w2_EDF) -> None:
+def _check_bf16(x_TD, w1_EFD=None, w3_EFD=None, w2_EDF=None) -> None:
     for name, t in (("x_TD", x_TD), ("w1_EFD", w1_EFD), ("w3_EFD", w3_EFD), ("w2_EDF", w2_EDF)):
-        if t.dtype != torch.bfloat16:
+        if t is not None and t.dtype != torch.bfloat16:
             raise TypeError(
                 f"mega_fp8: {name} has dtype {t.dtype}; the FP8 MoE quantizes bfloat16 activations and "
                 f"weights only (train with [training] mixed_precision_param = \"bfloat16\", or set "
@@ -170,6 +189,7 @@ def mega_moe_fp8(
     w1_EFD: torch.Tensor,
     w3_EFD: torch.Tensor,
     w2_EDF: torch.Tensor,
+    quantized: QuantizedExpertWeights | None = None,
 ) -> torch.Tensor:
     """Routed-expert SwiGLU MLP, block-scaled FP8 GEMMs in fused Triton kernels.
 
@@ -182,14 +202,24 @@ def mega_moe_fp8(
         w2_EDF: (E, D, F) bfloat16 down projection.
         D and F need not be multiples of 128 (partial scale tiles are masked), but the GEMMs run
         at full speed only when they are.
+        quantized: the three weights' e4m3 copies, made with
+            ``QuantizedExpertWeights.quantize(w1, w3, w2, pow2_scales)`` since the weights last
+            changed (the op cannot tell if they are stale). The weights are then read only for
+            their shapes and gradients, and may be any float dtype (e.g. the float32 master
+            weights: their gradients are written in float32).
 
     Returns:
-        y_TD: (T, D) bfloat16. Differentiable w.r.t. x, the three weights (bf16 grads) and
-        topk_weights_TK (fp32 grad). Deterministic. Options: :class:`MegaFP8Options`.
+        y_TD: (T, D) bfloat16. Differentiable w.r.t. x, the three weights (grads in their dtypes)
+        and topk_weights_TK (fp32 grad). Deterministic. Options: :class:`MegaFP8Options`.
     """
-    _check_bf16(x_TD, w1_EFD, w3_EFD, w2_EDF)
-    _check_inputs(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF)
     opts = _OPTIONS
+    if quantized is None:
+        _check_bf16(x_TD, w1_EFD, w3_EFD, w2_EDF)
+        _check_inputs(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF)
+    else:
+        _check_bf16(x_TD)
+        _check_inputs(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, match_weight_dtype=False)
+        quantized.check_matches(w1_EFD, w3_EFD, w2_EDF, opts.pow2_scales)
     y_TD, _, _, _ = torch.ops.mega_moe_fp8.forward(
         x_TD.contiguous(),
         topk_ids_TK.contiguous(),
@@ -199,5 +229,6 @@ def mega_moe_fp8(
         w2_EDF.contiguous(),
         opts.wgrad,
         opts.pow2_scales,
+        quantized.tensors() if quantized is not None else [],
     )
     return y_TD

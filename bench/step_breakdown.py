@@ -1,0 +1,216 @@
+"""Where a training step's GPU time goes, from a profiler trace of our trainer (issue 7's breakdown).
+
+    # 1. a trace of steps 8-9 of the run to explain (any train.py run; here through bench.compare):
+    python -m bench.compare --only ours_mega --ours-args "--profiling.enable_profiling \
+        --profiling.profile_start_step 8 --profiling.profile_steps 2" ...
+    # 2. the breakdown:
+    python -m bench.step_breakdown <dump_folder>/profile_traces/step-8-9/rank0_trace.json --steps 2
+
+Every GPU kernel (and memcpy/memset) of the trace is put in one part, by the first rule that
+matches its name or the CPU op that launched it (the innermost profiled op, found through the
+launch's correlation id, and the ops enclosing it on the launching thread):
+
+    optimizer  AdamW, gradient-norm clipping (foreach / fused multi-tensor kernels)
+    comm       NCCL
+    attention  SDPA (cuDNN, flash, memory-efficient) forward and backward
+    moe        the MoE ops (mega_moe::*, mega_moe_fp8::*, _grouped_mm, _scaled_grouped_mm, the
+               torch reference's per-expert mm), routing (topk, sort, histc; scatter/gather/index
+               only inside a MoE op or as their aten ops, as RoPE and the embedding use them too)
+    lm_head    GEMMs with an operand dimension >= 100,000 (the vocabulary) and the loss kernels
+    gemm       the other GEMMs (attention projections, router)
+    norm       RMSNorm (inductor kernels computing an rsqrt)
+    cast       pure dtype conversions (inductor ``_to_copy`` kernels, aten::copy_/to)
+    memory     memcpy / memset
+    other      the rest: the top of that list is what to explain next
+
+Inductor's generated kernels have no CPU op of their own (they run inside one "CompiledFunction"),
+so they are classified by the aten ops their names list. Times are GPU-busy time per step; the
+step's wall time is the span of the trace's kernels divided by ``--steps``, and ``idle`` is the
+wall time with no kernel running (launch gaps, host syncs, data loading). Overlapping kernels
+(several streams) are counted in each part but once in the busy union.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+PARTS = ("attention", "moe", "lm_head", "gemm", "norm", "cast", "optimizer", "comm", "memory", "other")
+
+_GEMM_KERNEL = re.compile(r"gemm|nvjet|cutlass|xmma|sm90_.*(mma|gmma)|cublas", re.I)
+_GEMM_OP = re.compile(r"aten::(mm|addmm|bmm|matmul|linear|_scaled_mm)$")
+# (part, regex on the kernel name, regex on the launching op chain), tried in order.
+_RULES: list[tuple[str, re.Pattern | None, re.Pattern | None]] = [
+    ("comm", re.compile(r"nccl", re.I), re.compile(r"nccl|c10d::|all_to_all|all_gather|reduce_scatter")),
+    ("optimizer", re.compile(r"multi_tensor_apply|fused_adam|adamw", re.I),
+     re.compile(r"Optimizer\.step|_fused_adamw|_foreach_|clip_grad|get_total_norm")),
+    ("attention", re.compile(r"flash|fmha|sdpa|attn|cudnn_generated_fort_native_sdpa", re.I),
+     re.compile(r"scaled_dot_product|flash_attention|efficient_attention|cudnn_attention|flex_attention")),
+    # Kernel names alone: our kernels and routing's sorts/counts; index/gather/scatter kernels also
+    # serve RoPE and the embedding, so they count as MoE only when launched inside a MoE op.
+    ("moe", re.compile(r"^_(gate_up|down|dh|dx|dw13|dw2|fp8_dh|sum_over_k|tile_table)|_kernel_grouped|mega|"
+                       r"topk|sort|histc|bincount", re.I),
+     re.compile(r"mega_moe|_grouped_mm|_scaled_grouped_mm|moe|experts|aten::(topk|sort|argsort|histc|bincount|"
+                r"scatter|gather|index)")),
+    ("lm_head", re.compile(r"log_softmax|nll_loss|cross_entropy", re.I),
+     re.compile(r"cross_entropy|nll_loss|log_softmax|chunked_loss")),
+    ("norm", re.compile(r"rsqrt|rms_norm", re.I), re.compile(r"rms_norm")),
+    ("cast", re.compile(r"^triton_\w+_fused__to_copy_\d+$|elementwise_kernel.*copy|bfloat16_copy", re.I),
+     re.compile(r"aten::(copy_|_to_copy|to)$")),
+]
+
+
+def _events(trace: dict[str, Any] | list) -> list[dict[str, Any]]:
+    return trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
+def _parents(by_tid: dict[Any, list[dict[str, Any]]]) -> dict[int, dict[str, Any] | None]:
+    """id(event) -> the innermost CPU event enclosing it on its thread (intervals nest)."""
+    parent: dict[int, dict[str, Any] | None] = {}
+    for evs in by_tid.values():
+        stack: list[dict[str, Any]] = []
+        for ev in evs:  # sorted by start, longer first on ties
+            while stack and stack[-1]["ts"] + stack[-1].get("dur", 0) <= ev["ts"]:
+                stack.pop()
+            parent[id(ev)] = stack[-1] if stack else None
+            stack.append(ev)
+    return parent
+
+
+def _chain(op: dict[str, Any] | None, parent: dict[int, dict[str, Any] | None],
+           by_tid: dict[Any, list[dict[str, Any]]], starts: dict[Any, list[float]], at: float | None,
+           tid: Any) -> list[dict[str, Any]]:
+    """The launching op and the CPU events enclosing it. Without an op (an inductor kernel), the
+    innermost event on the launching thread that encloses the launch time ``at``, and its parents."""
+    if op is None and at is not None and tid in by_tid:
+        i = bisect.bisect_right(starts[tid], at) - 1
+        ev = by_tid[tid][i] if i >= 0 else None
+        while ev is not None and ev["ts"] + ev.get("dur", 0) < at:
+            ev = parent.get(id(ev))
+        op = ev
+    chain = []
+    while op is not None:
+        chain.append(op)
+        op = parent.get(id(op))
+    return chain
+
+
+def _is_vocab_gemm(chain: list[dict[str, Any]], vocab_min: int) -> bool:
+    for ev in chain:
+        dims = ev.get("args", {}).get("Input Dims")
+        if dims and _GEMM_OP.search(ev["name"]):
+            flat = [d for shape in dims if isinstance(shape, list) for d in shape if isinstance(d, int)]
+            if any(d >= vocab_min for d in flat):
+                return True
+    return False
+
+
+def classify(kernel: str, chain: list[dict[str, Any]], vocab_min: int = 100_000) -> str:
+    names = " ".join(ev["name"] for ev in chain)
+    for part, k_re, op_re in _RULES:
+        if (k_re is not None and k_re.search(kernel)) or (op_re is not None and names and op_re.search(names)):
+            return part
+    if _GEMM_KERNEL.search(kernel) or any(_GEMM_OP.search(ev["name"]) for ev in chain):
+        return "lm_head" if _is_vocab_gemm(chain, vocab_min) else "gemm"
+    return "other"
+
+
+def breakdown(trace: dict[str, Any] | list, steps: int, vocab_min: int = 100_000, top: int = 25) -> dict[str, Any]:
+    """Per-part GPU ms per step, the step's wall and idle ms, and the ``top`` kernels by time."""
+    events = [e for e in _events(trace) if e.get("ph") == "X"]
+    cpu = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation")]
+    ops_by_ext = {e["args"]["External id"]: e for e in cpu if "External id" in e.get("args", {})}
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    by_tid: dict[Any, list[dict[str, Any]]] = defaultdict(list)
+    for e in cpu:
+        by_tid[e.get("tid")].append(e)
+    starts = {}
+    for tid, evs in by_tid.items():
+        evs.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
+        starts[tid] = [e["ts"] for e in evs]
+    parent = _parents(by_tid)
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not gpu:
+        raise ValueError("the trace has no GPU kernels: profile a CUDA run ([profiling] enable_profiling on a GPU)")
+    per_part: dict[str, float] = defaultdict(float)
+    per_kernel: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    for k in gpu:
+        args = k.get("args", {})
+        if k["cat"] != "kernel":
+            part = "memory"
+        else:
+            launch = launches.get(args.get("correlation"))
+            op = ops_by_ext.get(args.get("External id"))
+            if op is None and launch is not None:
+                op = ops_by_ext.get(launch.get("args", {}).get("External id"))
+            chain = _chain(op, parent, by_tid, starts, launch["ts"] if launch else None,
+                           launch.get("tid") if launch else None)
+            part = classify(k["name"], chain, vocab_min)
+        per_part[part] += k["dur"]
+        entry = per_kernel[(part, k["name"])]
+        entry[0] += k["dur"]
+        entry[1] += 1
+    # Busy time: the union of kernel intervals.
+    spans = sorted((k["ts"], k["ts"] + k["dur"]) for k in gpu)
+    busy, cur_s, cur_e = 0.0, spans[0][0], spans[0][1]
+    for s, e in spans[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    wall = spans[-1][1] - spans[0][0]
+    ms = 1e-3 / steps
+    kernels = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "steps": steps,
+        "wall_ms": wall * ms,
+        "busy_ms": busy * ms,
+        "idle_ms": (wall - busy) * ms,
+        "parts_ms": {p: per_part.get(p, 0.0) * ms for p in PARTS},
+        "top_kernels": [{"part": p, "name": n, "ms": t * ms, "calls": c / steps} for (p, n), (t, c) in kernels],
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    wall = report["wall_ms"]
+    lines = [f"step wall {wall:.1f} ms, GPU busy {report['busy_ms']:.1f} ms, idle {report['idle_ms']:.1f} ms "
+             f"(per step, over {report['steps']} steps)", "", "| part | ms / step | % of wall |", "| --- | ---: | ---: |"]
+    for part, v in sorted(report["parts_ms"].items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {part} | {v:.2f} | {100 * v / wall:.1f} |")
+    lines.append(f"| idle | {report['idle_ms']:.2f} | {100 * report['idle_ms'] / wall:.1f} |")
+    lines += ["", "| kernel | part | ms / step | calls / step |", "| --- | --- | ---: | ---: |"]
+    for k in report["top_kernels"]:
+        name = k["name"] if len(k["name"]) <= 90 else k["name"][:87] + "..."
+        lines.append(f"| `{name}` | {k['part']} | {k['ms']:.2f} | {k['calls']:g} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.step_breakdown", description=__doc__.split("\n\n")[0])
+    p.add_argument("trace", type=Path, help="a Chrome trace written by [profiling] enable_profiling")
+    p.add_argument("--steps", type=int, required=True, help="steps in the trace ([profiling] profile_steps)")
+    p.add_argument("--vocab-min", type=int, default=100_000, help="a GEMM dim this large marks the output head")
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--json", type=Path, default=None, help="also write the report here")
+    args = p.parse_args(argv)
+    if not args.trace.is_file():
+        p.error(f"{args.trace} does not exist: pass the rank<r>_trace.json a profiled run wrote")
+    if args.steps < 1:
+        p.error("--steps must be >= 1")
+    report = breakdown(json.loads(args.trace.read_text()), args.steps, args.vocab_min, args.top)
+    print(markdown(report))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

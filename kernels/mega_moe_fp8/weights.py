@@ -1,0 +1,85 @@
+"""The e4m3 copies of one layer's expert weights, in every layout the FP8 mega op reads.
+
+Made by :meth:`QuantizedExpertWeights.quantize` once per optimizer step (``models/moe/weight_cache.py``
+keeps them and refreshes them when the parameters change) and handed to ``mega_moe_fp8(...,
+quantized=...)``, so that the forward, its recomputation under activation checkpointing and the
+backward stop re-quantizing the bf16 weights on every call. Without it the op makes the same
+tensors itself, per call: the layouts and values are identical (the tests compare bit for bit).
+
+    w1, w3 (E, F, D) -> w1_q, w3_q (E, F, D) e4m3 + (E, FB, DB) scales    forward gate/up (B operand rows)
+    w2 (E, D, F)     -> w2_q (E, D, F) e4m3 + (E, DB, FB) scales          forward down GEMM
+                     -> w2t_q (E, F, D): w2_q's bytes transposed           backward dH GEMM
+    [w1; w3]         -> w13t_q (E, D, 2 FP) e4m3 + (E, DB, 2 FB) scales   backward dX GEMM
+
+At the Qwen3-30B-A3B expert shape (E 128, F 768, D 2048) that is 2 x 604 MB of e4m3 per layer,
+as much as one bf16 copy of the weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+_FIELDS = ("w1_q", "w1_s", "w3_q", "w3_s", "w2_q", "w2_s", "w2t_q", "w2t_s", "w13t_q", "w13t_s")
+
+
+@dataclasses.dataclass
+class QuantizedExpertWeights:
+    w1_q: torch.Tensor
+    w1_s: torch.Tensor
+    w3_q: torch.Tensor
+    w3_s: torch.Tensor
+    w2_q: torch.Tensor
+    w2_s: torch.Tensor
+    w2t_q: torch.Tensor
+    w2t_s: torch.Tensor
+    w13t_q: torch.Tensor
+    w13t_s: torch.Tensor
+    pow2_scales: bool = False
+
+    @classmethod
+    def quantize(cls, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor, w2_EDF: torch.Tensor,
+                 pow2_scales: bool = False) -> "QuantizedExpertWeights":
+        """Quantize the three weights (any float dtype; the op's inputs are bf16, so pass bf16 to
+        get exactly the per-call quantization)."""
+        from kernels.fp8.quant import quantize_weight
+        from kernels.mega_moe_fp8.backward import _transposed, dx_weight
+
+        w1_EFD, w3_EFD, w2_EDF = (w.contiguous() for w in (w1_EFD, w3_EFD, w2_EDF))
+        w1_q, w1_s = quantize_weight(w1_EFD, pow2_scales)
+        w3_q, w3_s = quantize_weight(w3_EFD, pow2_scales)
+        w2_q, w2_s = quantize_weight(w2_EDF, pow2_scales)
+        w13t_q, w13t_s = dx_weight(w1_EFD, w3_EFD, pow2_scales)
+        return cls(w1_q, w1_s, w3_q, w3_s, w2_q, w2_s, _transposed(w2_q), w2_s.mT.contiguous(), w13t_q, w13t_s,
+                   pow2_scales)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The ten tensors in a fixed order (the custom ops take them as one list)."""
+        return [getattr(self, f) for f in _FIELDS]
+
+    @classmethod
+    def from_tensors(cls, tensors: list[torch.Tensor], pow2_scales: bool) -> "QuantizedExpertWeights":
+        if len(tensors) != len(_FIELDS):
+            raise ValueError(f"QuantizedExpertWeights takes {len(_FIELDS)} tensors, got {len(tensors)}")
+        return cls(*tensors, pow2_scales=pow2_scales)
+
+    def copy_(self, other: "QuantizedExpertWeights") -> None:
+        """Overwrite in place (a compiled graph that reads these tensors stays valid)."""
+        if other.pow2_scales != self.pow2_scales:
+            raise ValueError("QuantizedExpertWeights.copy_: the two were made with different pow2_scales")
+        for f in _FIELDS:
+            getattr(self, f).copy_(getattr(other, f))
+
+    def check_matches(self, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor, w2_EDF: torch.Tensor,
+                      pow2_scales: bool) -> None:
+        """Raise if these copies cannot stand for weights of these shapes and this scale rounding."""
+        for name, q, w in (("w1", self.w1_q, w1_EFD), ("w3", self.w3_q, w3_EFD), ("w2", self.w2_q, w2_EDF)):
+            if q.shape != w.shape:
+                raise ValueError(f"mega_fp8: the quantized {name} has shape {tuple(q.shape)} but the weight passed "
+                                 f"with it has {tuple(w.shape)}; quantize the weights this call uses")
+            if q.device != w.device:
+                raise ValueError(f"mega_fp8: the quantized {name} is on {q.device}, the weight on {w.device}")
+        if self.pow2_scales != pow2_scales:
+            raise ValueError(f"mega_fp8: the weights were quantized with pow2_scales={self.pow2_scales} but the "
+                             f"op runs with pow2_scales={pow2_scales}; requantize after changing the option")

@@ -1,0 +1,169 @@
+"""Expert weights in their compute form, made once per optimizer step instead of on every call.
+
+The expert weights are float32 master parameters. Without a cache every MoE call converts them:
+the bf16 cast (autocast in one process, ``gather_weight`` under expert parallelism) and, for the
+FP8 ``mega_fp8`` backend, the 128 x 128 block quantization into four e4m3 layouts. Under full
+activation checkpointing a layer is called twice per micro-batch (forward and recomputation) and
+the FP8 backward quantizes again, so per optimizer step the same conversion runs 2-3 times per
+micro-batch; at the Qwen3-30B-A3B expert shape each bf16 cast moves ~3.6 GB (~0.9 ms on an H200)
+and each FP8 quantization ~3.6 GB more.
+
+:class:`ExpertWeightCache` holds the converted copies as non-persistent buffers (never in a
+checkpoint) and :func:`refresh_expert_weight_caches` rewrites them in place. The trainer refreshes
+every cache at the start of every optimizer step, outside the compiled graph: once per step,
+whatever changed the weights (optimizer, checkpoint load). Staleness cannot be read off the
+parameters: fused AdamW, and foreach AdamW on DTensors, update them without moving their
+``_version`` counters (measured, torch 2.13 CPU). So an eager (uncompiled) forward outside the
+trainer refreshes a cache that :func:`invalidate_expert_weight_caches` marked (the trainer hooks it
+to ``optimizer.step``) or whose parameters' versions moved (plain in-place edits); a compiled
+forward checks nothing. Gradients still reach the float32 parameters: the bf16 copies
+enter through :class:`_CastFromCache` (backward: the cast's backward, ``grad.to(float32)``), and
+the FP8 op takes the float32 weights as gradient carriers and writes their gradients in float32.
+
+Modes: ``"bf16"`` caches the compute-dtype copies (any backend); ``"fp8_blockwise"`` caches the
+e4m3 copies of ``kernels/mega_moe_fp8/weights.py`` (backend ``mega_fp8``). Memory: one bf16 copy
+of this rank's expert weights (1.2 GB per layer at the 30B shape), or the same in e4m3 (two
+layouts of one byte each); ``[moe] cache_expert_weights = false`` turns the cache off.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+CACHE_MODES = ("bf16", "fp8_blockwise")
+
+
+class _CastFromCache(torch.autograd.Function):
+    """``w.to(dtype)`` whose value comes from the cache: forward returns the cached copy, backward is
+    the cast's backward (the gradient in w's dtype)."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
+        ctx.dtype = w.dtype
+        return cached.view_as(cached)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.to(ctx.dtype), None
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly DTensor) parameter, differentiably."""
+    return w.to_local() if hasattr(w, "to_local") else w
+
+
+class ExpertWeightCache(nn.Module):
+    """The compute-form copies of one :class:`~models.moe.moe.GroupedExperts`' weights (this rank's
+    shard under expert parallelism). Built by :func:`enable_expert_weight_cache` on the parameters'
+    device, after initialisation and parallelisation."""
+
+    def __init__(self, experts: nn.Module, mode: str, dtype: torch.dtype, pow2_scales: bool = False):
+        super().__init__()
+        if mode not in CACHE_MODES:
+            raise ValueError(f"ExpertWeightCache mode must be one of {CACHE_MODES}, got {mode!r}")
+        self.mode, self.dtype, self.pow2_scales = mode, dtype, pow2_scales
+        self._versions: tuple[int, ...] | None = None  # None: invalidated
+        self.quantized = None
+        ws = [_local(w).detach() for w in (experts.w1, experts.w3, experts.w2)]
+        if mode == "bf16":
+            for name, w in zip(("w1", "w3", "w2"), ws):
+                self.register_buffer(name, torch.empty_like(w, dtype=dtype), persistent=False)
+        self.refresh(experts)
+
+    @staticmethod
+    def versions(experts: nn.Module) -> tuple[int, ...]:
+        return tuple(w._version for w in (experts.w1, experts.w3, experts.w2))
+
+    def is_stale(self, experts: nn.Module) -> bool:
+        """Invalidated, or the parameters' versions moved (see the module docstring for what this
+        cannot see)."""
+        return self._versions != self.versions(experts)
+
+    def invalidate(self) -> None:
+        self._versions = None
+
+    @torch.no_grad()
+    def refresh(self, experts: nn.Module) -> None:
+        w1, w3, w2 = (_local(w).detach() for w in (experts.w1, experts.w3, experts.w2))
+        if self.mode == "bf16":
+            self.w1.copy_(w1)
+            self.w3.copy_(w3)
+            self.w2.copy_(w2)
+        else:
+            from kernels.mega_moe_fp8.weights import QuantizedExpertWeights
+
+            # Quantized from the compute-dtype values, as the uncached op does: the same bytes.
+            fresh = QuantizedExpertWeights.quantize(w1.to(self.dtype), w3.to(self.dtype), w2.to(self.dtype),
+                                                    self.pow2_scales)
+            if self.quantized is None:
+                self.quantized = fresh
+                for i, t in enumerate(fresh.tensors()):
+                    self.register_buffer(f"q{i}", t, persistent=False)
+            else:
+                self.quantized.copy_(fresh)
+        self._versions = self.versions(experts)
+
+    def weights(self, experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1, w3, w2) for the backend: the cached bf16 copies (differentiable w.r.t. the
+        parameters), or in fp8 mode this rank's float32 weights themselves (gradient carriers for
+        the op that reads :attr:`quantized`)."""
+        if not torch.compiler.is_compiling() and self.is_stale(experts):
+            self.refresh(experts)
+        params = [_local(w) for w in (experts.w1, experts.w3, experts.w2)]
+        if self.mode == "fp8_blockwise":
+            return params[0], params[1], params[2]
+        w1, w3, w2 = (_CastFromCache.apply(p, c) for p, c in zip(params, (self.w1, self.w3, self.w2)))
+        return w1, w3, w2
+
+
+def cache_mode(backend: str, compute_dtype: torch.dtype | None, experts_whole: bool) -> str | None:
+    """The cache a backend can use, or None.
+
+    Args:
+        backend: the resolved MoE backend name.
+        compute_dtype: the dtype the weights are cast to per call (None: no cast, float32 training).
+        experts_whole: this rank's expert weights are whole (one process, or expert parallelism
+            without expert-FSDP sharding); FP8 copies are only cached then (a shard's blocks would
+            need an FP8 all-gather, not built).
+    """
+    if backend == "mega_fp8" and experts_whole and compute_dtype == torch.bfloat16:
+        return "fp8_blockwise"
+    if compute_dtype is not None:
+        return "bf16"
+    return None
+
+
+def enable_expert_weight_cache(model: nn.Module, mode: str, dtype: torch.dtype, pow2_scales: bool = False) -> int:
+    """Give every GroupedExperts of ``model`` a cache; returns how many."""
+    from models.moe.moe import GroupedExperts
+
+    n = 0
+    for module in model.modules():
+        if isinstance(module, GroupedExperts):
+            module.weight_cache = ExpertWeightCache(module, mode, dtype, pow2_scales)
+            n += 1
+    return n
+
+
+def _caches(model: nn.Module):
+    from models.moe.moe import GroupedExperts
+
+    for module in model.modules():
+        if isinstance(module, GroupedExperts) and module.weight_cache is not None:
+            yield module, module.weight_cache
+
+
+def refresh_expert_weight_caches(model: nn.Module) -> int:
+    """Remake every cache from the current parameters; returns how many."""
+    n = 0
+    for experts, cache in _caches(model):
+        cache.refresh(experts)
+        n += 1
+    return n
+
+
+def invalidate_expert_weight_caches(model: nn.Module) -> None:
+    """Mark every cache stale (an eager forward then refreshes it)."""
+    for _, cache in _caches(model):
+        cache.invalidate()

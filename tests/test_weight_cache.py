@@ -1,0 +1,176 @@
+"""The per-optimizer-step expert weight cache (models/moe/weight_cache.py and
+kernels/mega_moe_fp8/weights.py) against the per-call conversion it replaces.
+
+The cache must change nothing but speed: the bf16 copies are the same casts, the e4m3 copies the
+same quantization, so the op-level checks are bitwise; only the FP8 weight gradients, written in
+float32 instead of bf16 when the op gets float32 master weights, are compared after rounding to
+bf16 (the kernels round their fp32 accumulators to nearest either way).
+"""
+
+import pytest
+import torch
+
+from components.config import parse_args
+from models.moe.weight_cache import CACHE_MODES, ExpertWeightCache, cache_mode
+from train import Trainer
+
+triton = pytest.importorskip("triton")
+from kernels.mega_moe_fp8 import mega_moe_fp8, options  # noqa: E402
+from kernels.mega_moe_fp8.weights import QuantizedExpertWeights  # noqa: E402
+
+from tests.test_mega_moe_fp8 import _inputs, _seed  # noqa: E402
+
+SMALL = ["--config", "train_configs/debug_model.toml", "--model.n_layers", "2", "--training.seq_len", "32",
+         "--training.local_batch_size", "2", "--training.device", "cpu", "--lr_scheduler.warmup_steps", "1",
+         "--training.mixed_precision_param", "bfloat16"]
+
+
+def _run(op_args, weights, quantized):
+    x, ids, s, dy = op_args
+    leaves = [t.clone().requires_grad_() for t in (x, s, *weights)]
+    y = mega_moe_fp8(leaves[0], ids, leaves[1], *leaves[2:], quantized=quantized)
+    grads = torch.autograd.grad(y, leaves, dy)
+    return [y, *grads]
+
+
+@pytest.mark.parametrize("wgrad", ["fp8", "bf16"])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_quantized_weights_give_the_per_call_results(wgrad, pow2):
+    """mega_fp8 with the weights quantized beforehand equals mega_fp8 quantizing them itself, with
+    bf16 weights (bitwise) and with float32 master weights as gradient carriers (bitwise, the
+    weight gradients after rounding their float32 values to bf16)."""
+    seed = _seed()
+    x, ids, s, w1, w3, w2, dy = _inputs(37, 2, 4, 256, 128, "empty_expert")
+    with options(wgrad=wgrad, pow2_scales=pow2):
+        want = _run((x, ids, s, dy), (w1, w3, w2), None)
+        q = QuantizedExpertWeights.quantize(w1, w3, w2, pow2)
+        got_bf16 = _run((x, ids, s, dy), (w1, w3, w2), q)
+        got_fp32 = _run((x, ids, s, dy), (w1.float(), w3.float(), w2.float()), q)
+    names = ("y", "dx", "ds", "dw1", "dw3", "dw2")
+    for name, a, b, c in zip(names, want, got_bf16, got_fp32):
+        assert torch.equal(a, b), f"seed={seed}: {name} differs with bf16 weights"
+        if name.startswith("dw"):
+            assert c.dtype == torch.float32, name
+            c = c.to(a.dtype)
+        assert torch.equal(a, c), f"seed={seed}: {name} differs with float32 weights"
+
+
+def test_quantized_weights_are_checked():
+    _, _, _, w1, w3, w2, _ = _inputs(3, 2, 4, 256, 128, "random")
+    q = QuantizedExpertWeights.quantize(w1, w3, w2)
+    with pytest.raises(ValueError, match="quantized w1 has shape"):
+        q.check_matches(w1[:2], w3, w2, False)
+    with pytest.raises(ValueError, match="pow2_scales=False but the op runs with pow2_scales=True"):
+        q.check_matches(w1, w3, w2, True)
+    with pytest.raises(ValueError, match="takes 10 tensors"):
+        QuantizedExpertWeights.from_tensors(q.tensors()[:3], False)
+    x, ids, s, *_ = _inputs(3, 2, 4, 256, 128, "random")
+    with pytest.raises(TypeError, match="x_TD has dtype torch.float32"):
+        mega_moe_fp8(x.float(), ids, s, w1.float(), w3.float(), w2.float(), quantized=q)
+
+
+def test_cache_mode():
+    assert cache_mode("mega_fp8", torch.bfloat16, True) == "fp8_blockwise"
+    assert cache_mode("mega_fp8", torch.bfloat16, False) == "bf16"  # shards: bf16 copy, per-call FP8
+    assert cache_mode("mega", torch.bfloat16, True) == "bf16"
+    assert cache_mode("grouped_mm", None, True) is None  # float32 training: no cast to cache
+    assert set(CACHE_MODES) == {"bf16", "fp8_blockwise"}
+
+
+def _train(extra, steps=3):
+    trainer = Trainer(parse_args(SMALL + extra))
+    data_iter = iter(trainer.dataloader)
+    losses = []
+    for trainer.step in range(1, steps + 1):
+        losses.append(trainer.train_step(data_iter)[0])
+    return trainer, losses, {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+
+@pytest.mark.parametrize("extra", [
+    ["--moe.backend", "torch", "--training.global_batch_size", "4"],  # 2 micro-batches per step
+    ["--moe.backend", "grouped_mm", "--activation_checkpoint.mode", "full", "--compile.enable",
+     "--compile.backend", "aot_eager"],
+], ids=["torch-accum2", "grouped_mm-ac-compiled"])
+def test_bf16_cache_trains_bitwise_like_per_call_casts(extra):
+    """bf16 autocast in one process: the cached copies are the casts each call made, refreshed after
+    every optimizer step; a stale cache would change the second step's loss."""
+    cached, losses, state = _train(extra)
+    assert cached.weight_cache_mode == "bf16"
+    plain, plain_losses, plain_state = _train(extra + ["--moe.cache_expert_weights", "false"])
+    assert plain.weight_cache_mode is None
+    assert losses == plain_losses
+    assert state.keys() == plain_state.keys()  # the cache's buffers are not part of the state
+    for k, v in plain_state.items():
+        assert torch.equal(state[k], v), k
+
+
+def test_fp8_cache_trains_like_per_call_quantization():
+    """mega_fp8 in one process: the first step is bitwise (same e4m3 weights); later steps follow
+    closely (the cached path writes the weight gradients in float32, the per-call path in bf16)."""
+    extra = ["--moe.backend", "mega", "--quantize.moe", "fp8_blockwise", "--model.n_layers", "1"]
+    cached, losses, _ = _train(extra)
+    assert cached.weight_cache_mode == "fp8_blockwise"
+    _, plain_losses, _ = _train(extra + ["--moe.cache_expert_weights", "false"])
+    assert losses[0] == plain_losses[0]
+    assert losses == pytest.approx(plain_losses, rel=1e-4)
+
+
+@pytest.mark.parametrize("mode", CACHE_MODES)
+def test_eager_forward_refreshes_a_stale_cache(mode):
+    """Weights changed in place outside the trainer (here: scaled) are seen by the next eager call."""
+    backend = "mega" if mode == "fp8_blockwise" else "torch"
+    extra = ["--moe.backend", backend, "--model.n_layers", "1"]
+    if mode == "fp8_blockwise":
+        extra += ["--quantize.moe", "fp8_blockwise"]
+    trainer = Trainer(parse_args(SMALL + extra))
+    assert trainer.weight_cache_mode == mode
+    experts = trainer.model.layers["0"].moe.experts
+    assert isinstance(experts.weight_cache, ExpertWeightCache)
+    inputs = next(iter(trainer.dataloader))[0]
+
+    def forward():
+        with torch.no_grad(), trainer.amp:
+            return trainer.model(inputs)[0].float()
+
+    before = forward()
+    with torch.no_grad():
+        experts.w2.mul_(3.0)
+    assert experts.weight_cache.is_stale(experts)
+    after = forward()
+    assert not experts.weight_cache.is_stale(experts)
+    experts.weight_cache = None
+    uncached = forward()
+    assert torch.equal(after, uncached)
+    assert not torch.equal(before, after)
+
+
+def test_resume_with_cache_gives_same_losses(tmp_path):
+    """A checkpoint load writes the weights in place: the cache is refreshed before the next step."""
+    common = SMALL + ["--moe.backend", "torch", "--checkpoint.enable", "--checkpoint.interval", "2"]
+    _, ref, _ = _train(["--moe.backend", "torch"], steps=4)
+    first = Trainer(parse_args(common + ["--job.dump_folder", str(tmp_path)]))
+    data_iter = iter(first.dataloader)
+    for first.step in (1, 2):
+        first.train_step(data_iter)
+    first.checkpoint.save(2)
+    resumed = Trainer(parse_args(common + ["--job.dump_folder", str(tmp_path)]))
+    assert resumed.weight_cache_mode == "bf16"
+    resumed.step = resumed.checkpoint.maybe_load()
+    data_iter = iter(resumed.dataloader)
+    losses = []
+    for resumed.step in (3, 4):
+        losses.append(resumed.train_step(data_iter)[0])
+    assert losses == ref[2:]
+
+
+def test_optimizer_step_invalidates_the_cache():
+    """Fused AdamW (the trainer's choice on a GPU), and foreach AdamW on DTensors, update the weights
+    without moving their version counters; the trainer's optimizer hook invalidates the caches
+    instead, so a later eager forward refreshes them."""
+    trainer = Trainer(parse_args(SMALL + ["--moe.backend", "torch", "--model.n_layers", "1"]))
+    experts = trainer.model.layers["0"].moe.experts
+    assert not experts.weight_cache.is_stale(experts)
+    for p in trainer.model.parameters():
+        p.grad = torch.ones_like(p)
+    trainer.optimizer.step()
+    assert experts.weight_cache._versions is None  # invalidated by the hook, not by the counters
