@@ -226,3 +226,48 @@ def test_fp8_blockwise_warns_on_gpu_that_it_is_slow(monkeypatch, capsys):
     cfg.training.device = "cpu"
     check_implemented(cfg)
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("keep", ["attention", "attention_and_moe"])
+@pytest.mark.parametrize("extra", [[], ["--moe.backend", "grouped_mm", "--compile.enable", "--compile.backend",
+                                        "aot_eager"]], ids=["eager", "compiled"])
+def test_ac_keep_trains_like_full_ac(tmp_path, keep, extra):
+    """Keeping the attention core's (and the experts') outputs changes what is recomputed, not the
+    numbers: float32 on CPU, bitwise the losses of full activation checkpointing."""
+    common = ["--training.steps", "3", "--activation_checkpoint.mode", "full", *extra]
+    full = run_losses(make_trainer(tmp_path, *common))
+    kept = run_losses(make_trainer(tmp_path, *common, "--activation_checkpoint.keep", keep))
+    assert kept == full
+
+
+@pytest.mark.parametrize("keep,attend_calls,expert_calls", [("none", 2, 2), ("attention", 1, 2),
+                                                            ("attention_and_moe", 1, 1)])
+def test_ac_keep_skips_the_kept_ops_in_recomputation(tmp_path, monkeypatch, keep, attend_calls, expert_calls):
+    """Per layer and step (eager): full AC runs the attention core and the experts twice (forward and
+    recomputation); each kept op runs once."""
+    from models.moe.moe import GroupedExperts
+    from models.qwen3.model import Attention
+
+    calls = {"attend": 0, "experts": 0}
+    attend, experts_forward = Attention.attend, GroupedExperts.forward
+
+    def counting_attend(self, *a, **k):
+        calls["attend"] += 1
+        return attend(self, *a, **k)
+
+    def counting_experts(self, *a, **k):
+        calls["experts"] += 1
+        return experts_forward(self, *a, **k)
+
+    monkeypatch.setattr(Attention, "attend", counting_attend)
+    monkeypatch.setattr(GroupedExperts, "forward", counting_experts)
+    trainer = make_trainer(tmp_path, "--training.steps", "1", "--activation_checkpoint.mode", "full",
+                           "--activation_checkpoint.keep", keep)
+    run_losses(trainer)
+    layers = trainer.model_args.n_layers
+    assert calls == {"attend": attend_calls * layers, "experts": expert_calls * layers}
+
+
+def test_ac_keep_needs_checkpointing(tmp_path):
+    with pytest.raises(ConfigError, match="keep = 'attention' keeps ops of checkpointed blocks"):
+        make_trainer(tmp_path, "--activation_checkpoint.keep", "attention")
