@@ -18,11 +18,11 @@ import time
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from components.checkpoint import CheckpointError, CheckpointManager, model_identity
 from components.config import ConfigError, JobConfig, parse_args
 from components.dataloader import DataError, build_dataloader
+from components.loss import build_loss_fn
 from components.float8 import convert_to_float8
 from components.metrics import MetricsLogger, flops_per_token
 from components.optimizer import build_lr_scheduler, build_optimizer
@@ -134,6 +134,7 @@ class Trainer:
         self.model = model
         self.weight_cache_mode = self._enable_weight_cache(cfg)
 
+        self.loss_fn = build_loss_fn(cfg.compile.enable and cfg.compile.loss, cfg.compile.backend)
         self.optimizer = build_optimizer(model, cfg.optimizer, self.device.type)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, t.steps, cfg.lr_scheduler)
         if self.weight_cache_mode is not None:
@@ -205,7 +206,7 @@ class Trainer:
                     ce, router_stats_L3E = self.model(inputs_BL, labels_BL, cfg.training.loss_chunk_size)
                 else:
                     logits_BLV, router_stats_L3E = self.model(inputs_BL)
-                    ce = F.cross_entropy(logits_BLV.flatten(0, 1).float(), labels_BL.flatten())
+                    ce = self.loss_fn(logits_BLV, labels_BL)
                 aux = self.model.aux_loss(router_stats_L3E, inputs_BL.numel())
             loss = ce
             if cfg.moe.load_balance == "aux_loss" and cfg.moe.aux_loss_coef > 0:

@@ -3,6 +3,7 @@
     python -m bench.compare --model qwen3_30b_a3b --layers 4 --seq-len 16384          # ~8 min on an H200
     python -m bench.compare --model qwen3_235b_a22b --layers 1 --seq-len 16384
     python -m bench.compare ... --only titan_bf16,ours_mega --steps 20 --out outputs/compare
+    python -m bench.compare ... --only titan_bf16,ours_mega --variant keep_attn="--activation_checkpoint.keep attention"
     python -m bench.compare ... --dry-run          # write the configs and data, print the commands
     python -m bench.compare --write-tokenizer      # regenerate assets/tokenizer/tokenizer.json
 
@@ -263,8 +264,10 @@ TITAN_FP8_ARGS = ["--model.converters", "quantize.grouped_mm.float8", "--quantiz
 
 
 def plan(s: Setting, *, toml_path: Path, data_dir: Path, python: str = sys.executable,
-         ours_extra: list[str] = (), titan_extra: list[str] = ()) -> list[Run]:
-    """Every run of the comparison, in the order they are made."""
+         ours_extra: list[str] = (), titan_extra: list[str] = (),
+         variants: list[tuple[str, list[str]]] = ()) -> list[Run]:
+    """Every run of the comparison, in the order they are made; ``variants`` (name, arguments) are
+    ``ours_mega`` with those arguments added, run last (ablations in the same call and table)."""
     titan = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
              "-m", "torchtitan.train", "--job.config_file", str(toml_path), *titan_extra]
     no_titan = "" if _has("torchtitan") else "torchtitan is not installed (pip install \".[baseline]\")"
@@ -300,7 +303,21 @@ def plan(s: Setting, *, toml_path: Path, data_dir: Path, python: str = sys.execu
             "ours", "fp8", ours + ["--moe.backend", "grouped_mm", "--quantize.moe", "fp8_rowwise", *ours_extra]),
         Run("ours_mega_fp8", "ours, `mega` backend, FP8 experts (blockwise)", "ours", "fp8",
             ours + ["--moe.backend", "mega", "--quantize.moe", "fp8_blockwise", *ours_extra]),
+    ] + [
+        Run(name, f"ours, `mega` backend, bf16, `{shlex.join(args)}`", "ours",
+            "fp8" if any("fp8" in a for a in args) else "bf16",
+            ours + ["--moe.backend", "mega", *ours_extra, *args])
+        for name, args in variants
     ]
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    """``NAME=ARGS`` -> (NAME, ARGS split like a shell): a run of ``ours_mega`` plus ARGS."""
+    name, sep, args = text.partition("=")
+    if not sep or not re.fullmatch(r"[A-Za-z0-9_]+", name) or not args.strip():
+        raise ValueError(f"--variant {text!r}: expected NAME=ARGS, NAME letters, digits and _ (it names the log "
+                         f"file), ARGS our trainer's arguments, e.g. keep_attn='--activation_checkpoint.keep attention'")
+    return name, shlex.split(args)
 
 
 def _has(package: str) -> bool:
@@ -613,6 +630,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--attention-backend", default="", help="ours: [model] attention_backend (default: the config's)")
     p.add_argument("--ours-args", default="", help="extra arguments for our trainer, one string")
     p.add_argument("--titan-args", default="", help="extra arguments for TorchTitan's trainer, one string")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
+                   help="an extra run NAME: ours_mega with ARGS added (repeatable), e.g. "
+                        "no_cache='--moe.cache_expert_weights false'")
     p.add_argument("--reuse", action="store_true", help="keep the result of a run whose log in --out already "
                    "covers the window with the same command (to split the runs over several calls)")
     p.add_argument("--dry-run", action="store_true", help="write the TOML and data, print the commands, run nothing")
@@ -653,9 +673,17 @@ def main(argv: list[str] | None = None) -> int:
     data_dir = write_jsonl_data(out / "data")
     toml_path = out / "torchtitan.toml"
     toml_path.write_text(torchtitan_toml(setting, data_dir=data_dir), encoding="utf-8")
+    try:
+        variants = [parse_variant(v) for v in args.variant]
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
     runs = plan(setting, toml_path=toml_path, data_dir=data_dir, ours_extra=shlex.split(args.ours_args),
-                titan_extra=shlex.split(args.titan_args))
+                titan_extra=shlex.split(args.titan_args), variants=variants)
     known = [r.name for r in runs]
+    if len(set(known)) != len(known):
+        print(f"--variant names must differ from each other and from the runs {', '.join(known[:7])}", file=sys.stderr)
+        return 2
     only, skip = ({x for x in v.split(",") if x} for v in (args.only, args.skip))
     if unknown := (only | skip) - set(known):
         print(f"unknown run names: {', '.join(sorted(unknown))}; known: {', '.join(known)}", file=sys.stderr)

@@ -151,6 +151,8 @@ class ActivationCheckpoint:
 class Compile:
     enable: bool = _field(False, "torch.compile each transformer block with fullgraph=True")
     backend: str = _field("inductor", "torch.compile backend", choices=("inductor", "aot_eager", "eager"))
+    loss: bool = _field(True, "with enable, also compile the loss (cross-entropy over the logits), as TorchTitan "
+                        "does: fused, it never makes the logits' float32 copies")
 
 
 @dataclass

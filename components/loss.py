@@ -1,4 +1,7 @@
-"""Cross-entropy of the output projection, chunked so the logits are never held in full.
+"""The training loss: token cross-entropy, plain (:func:`cross_entropy_loss`, compiled by the
+trainer with [compile] enable) or fused with the output projection and chunked (below).
+
+Chunked: the cross-entropy of the output projection, computed so the logits are never held in full.
 
 At seq len 16384 and Qwen3's vocabulary (151,936) the logits of one sample are 2.5 G elements:
 10 GiB in float32, plus the same again for their gradient. ``linear_cross_entropy`` computes the
@@ -11,6 +14,25 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+def cross_entropy_loss(logits_BLV: torch.Tensor, labels_BL: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy, in float32, of (B, L, V) logits of any float dtype.
+
+    Eager, the float32 copy of the logits, their log-probabilities and the gradient are each a
+    full (B*L, V) float32 tensor (10 GiB at seq len 16384 with Qwen3's vocabulary). Compiled (the
+    trainer compiles it when [compile] enable is set, as TorchTitan compiles its loss), inductor
+    fuses the upcast, log-softmax and NLL into reductions over the bf16 logits and writes their
+    bf16 gradient in one pass.
+    """
+    return F.cross_entropy(logits_BLV.flatten(0, 1).float(), labels_BL.flatten())
+
+
+def build_loss_fn(compile_enable: bool, backend: str):
+    """:func:`cross_entropy_loss`, compiled (whole graph) when the model's blocks are."""
+    if not compile_enable:
+        return cross_entropy_loss
+    return torch.compile(cross_entropy_loss, backend=backend, fullgraph=True)
 
 
 def linear_cross_entropy_reference(h_ND: torch.Tensor, w_VD: torch.Tensor, labels_N: torch.Tensor) -> torch.Tensor:

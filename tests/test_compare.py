@@ -229,3 +229,19 @@ def test_upstream_flavor_is_our_model(model, layers):
         ours.dim, ours.n_heads, ours.n_kv_heads, ours.head_dim, ours.vocab_size)
     assert (args.moe_inter_dim, args.moe_args.num_experts, args.moe_args.top_k) == (
         ours.moe_inter_dim, ours.num_experts, ours.top_k)
+
+
+def test_variants_are_ours_mega_plus_their_arguments(tmp_path):
+    from components.config import parse_args
+
+    setting, data_dir, toml_path, runs = _plan(tmp_path)
+    name, args = compare.parse_variant("keep_attn=--activation_checkpoint.keep attention --compile.loss false")
+    assert (name, args) == ("keep_attn", ["--activation_checkpoint.keep", "attention", "--compile.loss", "false"])
+    planned = compare.plan(setting, toml_path=toml_path, data_dir=data_dir, variants=[(name, args)])
+    assert [r.name for r in planned] == [r.name for r in runs] + ["keep_attn"]
+    cfg = parse_args(planned[-1].cmd[2:])
+    assert (cfg.moe.backend, cfg.activation_checkpoint.keep, cfg.compile.loss) == ("mega", "attention", False)
+    for bad in ("noequals", "bad name=--x 1", "empty="):
+        with pytest.raises(ValueError, match="expected NAME=ARGS"):
+            compare.parse_variant(bad)
+    assert compare.main(["--variant", "ours_mega=--compile.loss false", "--dry-run", "--out", str(tmp_path / "o")]) == 2

@@ -1,5 +1,7 @@
 """Chunked output projection + cross-entropy against the plain path."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -27,3 +29,27 @@ def test_matches_plain_cross_entropy_and_gradients(N, D, V, chunk):
 def test_bad_chunk():
     with pytest.raises(ValueError, match="chunk must be >= 1"):
         linear_cross_entropy(torch.zeros(2, 2), torch.zeros(3, 2), torch.zeros(2, dtype=torch.long), 0)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.skipif(
+    not torch.cuda.is_available() and not (shutil.which("c++") or shutil.which("g++")),
+    reason="inductor on CPU compiles C++"))])
+def test_compiled_cross_entropy_matches_eager(backend):
+    """The trainer's loss, compiled as with [compile] enable: same loss and logits gradient (bf16
+    logits, float32 loss) as the eager function."""
+    from components.loss import build_loss_fn, cross_entropy_loss
+
+    assert build_loss_fn(False, backend) is cross_entropy_loss
+    torch._dynamo.reset()
+    compiled = build_loss_fn(True, backend)
+    logits = (torch.randn(2, 24, 1000) * 3).to(torch.bfloat16)
+    labels = torch.randint(0, 1000, (2, 24))
+    results = []
+    for fn in (cross_entropy_loss, compiled):
+        leaf = logits.clone().requires_grad_()
+        loss = fn(leaf, labels)
+        loss.backward()
+        assert loss.dtype == torch.float32 and leaf.grad.dtype == torch.bfloat16
+        results.append((loss.detach(), leaf.grad))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-2, atol=1e-5)

@@ -104,13 +104,17 @@ def test_bf16_cache_trains_bitwise_like_per_call_casts(extra):
         assert torch.equal(state[k], v), k
 
 
-def test_fp8_cache_trains_like_per_call_quantization():
+@pytest.mark.parametrize("more", [[], ["--compile.enable", "--compile.backend", "aot_eager", "--activation_checkpoint.mode",
+                                   "full", "--activation_checkpoint.keep", "attention_and_moe"]],
+                         ids=["eager", "compiled-ac-keep"])
+def test_fp8_cache_trains_like_per_call_quantization(more):
     """mega_fp8 in one process: the first step is bitwise (same e4m3 weights); later steps follow
-    closely (the cached path writes the weight gradients in float32, the per-call path in bf16)."""
-    extra = ["--moe.backend", "mega", "--quantize.moe", "fp8_blockwise", "--model.n_layers", "1"]
-    cached, losses, _ = _train(extra)
+    closely (the cached path writes the weight gradients in float32, the per-call path in bf16).
+    Compiled, the cache's tensors reach the op through the traced graph."""
+    extra = ["--moe.backend", "mega", "--quantize.moe", "fp8_blockwise", "--model.n_layers", "1", *more]
+    cached, losses, _ = _train(extra, steps=2)
     assert cached.weight_cache_mode == "fp8_blockwise"
-    _, plain_losses, _ = _train(extra + ["--moe.cache_expert_weights", "false"])
+    _, plain_losses, _ = _train(extra + ["--moe.cache_expert_weights", "false"], steps=2)
     assert losses[0] == plain_losses[0]
     assert losses == pytest.approx(plain_losses, rel=1e-4)
 
