@@ -21,9 +21,10 @@ def init_distributed(device_type: str) -> int:
     return dist.get_world_size()
 
 
-def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, foreach: bool) -> torch.Tensor:
+def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, foreach: bool, apply: bool = True) -> torch.Tensor:
     """Global gradient norm over parameters that live on different meshes (experts on the EP x
-    expert-FSDP mesh, the rest on the FSDP mesh), then clip; returns the norm as a plain tensor."""
+    expert-FSDP mesh, the rest on the FSDP mesh), then clip (unless ``apply`` is False: the caller
+    folds the coefficient into the optimizer, :func:`clip_scale`); returns the norm as a plain tensor."""
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)
     for p in params:
         if p.grad is not None:
@@ -33,7 +34,15 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, foreach: bool) 
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0, foreach=foreach)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
-    if max_norm != float("inf"):
+    if apply and max_norm != float("inf"):
         for group in groups.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=foreach)
     return total
+
+
+def clip_scale(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The divisor that clips gradients of norm ``total_norm`` to ``max_norm``: 1 / the coefficient
+    ``clip_grads_with_norm_`` multiplies them by (``min(max_norm / (norm + 1e-6), 1)``), float32.
+    Fused AdamW divides every gradient by its ``grad_scale`` inside its kernel, so setting this
+    there clips for free instead of a pass over all gradients."""
+    return torch.clamp((total_norm.float() + 1e-6) / max_norm, min=1.0)

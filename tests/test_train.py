@@ -271,3 +271,23 @@ def test_ac_keep_skips_the_kept_ops_in_recomputation(tmp_path, monkeypatch, keep
 def test_ac_keep_needs_checkpointing(tmp_path):
     with pytest.raises(ConfigError, match="keep = 'attention' keeps ops of checkpointed blocks"):
         make_trainer(tmp_path, "--activation_checkpoint.keep", "attention")
+
+
+def test_fused_adamw_clips_inside_its_kernel(tmp_path, monkeypatch):
+    """With fused AdamW the clip coefficient becomes its grad_scale (no in-place pass over the
+    gradients); training matches foreach AdamW clipping in place. max_norm is set low so that every
+    step clips."""
+    common = ["--training.steps", "3", "--training.max_norm", "0.05"]
+    foreach = make_trainer(tmp_path, *common, "--optimizer.implementation", "foreach")
+    want = run_losses(foreach)
+
+    def no_inplace_clip(*a, **k):
+        raise AssertionError("fused AdamW should clip through grad_scale, not in place")
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grads_with_norm_", no_inplace_clip)
+    fused = make_trainer(tmp_path, *common, "--optimizer.implementation", "fused")
+    got = run_losses(fused)
+    assert fused.optimizer.grad_scale > 1  # clipping was active
+    assert got == pytest.approx(want, rel=1e-5)
+    for (name, a), b in zip(fused.model.named_parameters(), foreach.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
