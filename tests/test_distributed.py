@@ -268,15 +268,17 @@ def test_bad_parallel_configs(world, args, pattern):
         build_parallel_dims(cfg.parallelism, world, 8)
 
 
-@pytest.mark.parametrize("ep_args", [["--parallelism.expert_parallel_degree", "2"],
-                                     ["--parallelism.expert_parallel_degree", "2",
-                                      "--parallelism.expert_parallel_chunks", "2"]], ids=["ep2", "ep2-chunks2"])
-def test_expert_weight_cache_under_ep(reference, tmp_path, ep_args):
-    """bf16 compute with EP 2: each rank caches the bf16 copy of its expert shard (DTensor
+@pytest.mark.parametrize("world,ep_args", [
+    (2, ["--parallelism.expert_parallel_degree", "2"]),
+    (2, ["--parallelism.expert_parallel_degree", "2", "--parallelism.expert_parallel_chunks", "2"]),
+    (4, ["--parallelism.expert_parallel_degree", "2"]),  # expert-FSDP 2: cached shards, then all-gathered
+], ids=["ep2", "ep2-chunks2", "dp_shard4-ep2"])
+def test_expert_weight_cache_under_ep(reference, tmp_path, world, ep_args):
+    """bf16 compute with EP: each rank caches the bf16 copy of its expert shard (DTensor
     parameters, refreshed after each optimizer step); training is bitwise that of the per-call casts."""
     bf16 = ["--training.mixed_precision_param", "bfloat16"] + ep_args
-    got = spawn(2, bf16, reference["init"], str(tmp_path / "cached.pt"))
-    want = spawn(2, bf16 + ["--moe.cache_expert_weights", "false"], reference["init"], str(tmp_path / "plain.pt"))
+    got = spawn(world, bf16, reference["init"], str(tmp_path / "cached.pt"))
+    want = spawn(world, bf16 + ["--moe.cache_expert_weights", "false"], reference["init"], str(tmp_path / "plain.pt"))
     assert (got["cache"], want["cache"]) == ("bf16", None)
     assert got["losses"] == want["losses"]
     for name, value in want["state"].items():
