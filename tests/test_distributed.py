@@ -166,6 +166,8 @@ LAYOUTS = {
     "ep2_full_ac_keep_attention_compile": (2, ["--parallelism.expert_parallel_degree", "2",
                                                "--activation_checkpoint.mode", "full", "--activation_checkpoint.keep",
                                                "attention", "--compile.enable", "--compile.backend", "aot_eager"]),
+    "dp_shard2_keep_attention_and_moe": (2, ["--activation_checkpoint.mode", "full",
+                                             "--activation_checkpoint.keep", "attention_and_moe"]),
     "dp_shard2_x_ep2_keep_attention_and_moe_compile": (4, ["--parallelism.expert_parallel_degree", "2",
                                                            "--activation_checkpoint.mode", "full",
                                                            "--activation_checkpoint.keep", "attention_and_moe",
