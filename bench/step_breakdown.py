@@ -36,6 +36,7 @@ import argparse
 import bisect
 import json
 import re
+import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -205,7 +206,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"{args.trace} does not exist: pass the rank<r>_trace.json a profiled run wrote")
     if args.steps < 1:
         p.error("--steps must be >= 1")
-    report = breakdown(json.loads(args.trace.read_text()), args.steps, args.vocab_min, args.top)
+    try:
+        report = breakdown(json.loads(args.trace.read_text()), args.steps, args.vocab_min, args.top)
+    except ValueError as e:
+        print(f"error: {args.trace}: {e}", file=sys.stderr)
+        return 2
     print(markdown(report))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

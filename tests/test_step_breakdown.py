@@ -82,6 +82,11 @@ def test_steps_divide_and_cli(tmp_path, capsys):
         SB.main([str(tmp_path / "missing.json"), "--steps", "1"])
 
 
-def test_cpu_only_trace_is_refused():
+def test_cpu_only_trace_is_refused(tmp_path, capsys):
+    cpu_only = {"traceEvents": [_op("aten::mm", 0, 1, 1)]}
     with pytest.raises(ValueError, match="no GPU kernels"):
-        SB.breakdown({"traceEvents": [_op("aten::mm", 0, 1, 1)]}, steps=1)
+        SB.breakdown(cpu_only, steps=1)
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps(cpu_only))
+    assert SB.main([str(path), "--steps", "1"]) == 2
+    assert "profile a CUDA run" in capsys.readouterr().err
