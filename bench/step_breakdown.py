@@ -27,7 +27,8 @@ Inductor's generated kernels have no CPU op of their own (they run inside one "C
 so they are classified by the aten ops their names list. Times are GPU-busy time per step; the
 step's wall time is the span of the trace's kernels divided by ``--steps``, and ``idle`` is the
 wall time with no kernel running (launch gaps, host syncs, data loading). Overlapping kernels
-(several streams) are counted in each part but once in the busy union.
+(several streams) are counted in each part but once in the busy union. ``comm_exposed`` is the
+communication time during which no other kernel runs (issue 8's "exposed EP communication").
 """
 
 from __future__ import annotations
@@ -121,6 +122,35 @@ def classify(kernel: str, chain: list[dict[str, Any]], vocab_min: int = 100_000)
     return "other"
 
 
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Disjoint sorted intervals covering ``spans``."""
+    out: list[tuple[float, float]] = []
+    for s, e in sorted(spans):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Intersection of two disjoint sorted interval lists."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if s < e:
+            out.append((s, e))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _length(spans: list[tuple[float, float]]) -> float:
+    return sum(e - s for s, e in spans)
+
+
 def breakdown(trace: dict[str, Any] | list, steps: int, vocab_min: int = 100_000, top: int = 25) -> dict[str, Any]:
     """Per-part GPU ms per step, the step's wall and idle ms, and the ``top`` kernels by time."""
     events = [e for e in _events(trace) if e.get("ph") == "X"]
@@ -141,6 +171,7 @@ def breakdown(trace: dict[str, Any] | list, steps: int, vocab_min: int = 100_000
         raise ValueError("the trace has no GPU kernels: profile a CUDA run ([profiling] enable_profiling on a GPU)")
     per_part: dict[str, float] = defaultdict(float)
     per_kernel: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    parts: list[str] = []
     for k in gpu:
         args = k.get("args", {})
         if k["cat"] != "kernel":
@@ -153,21 +184,19 @@ def breakdown(trace: dict[str, Any] | list, steps: int, vocab_min: int = 100_000
             chain = _chain(op, parent, by_tid, starts, launch["ts"] if launch else None,
                            launch.get("tid") if launch else None)
             part = classify(k["name"], chain, vocab_min)
+        parts.append(part)
         per_part[part] += k["dur"]
         entry = per_kernel[(part, k["name"])]
         entry[0] += k["dur"]
         entry[1] += 1
-    # Busy time: the union of kernel intervals.
-    spans = sorted((k["ts"], k["ts"] + k["dur"]) for k in gpu)
-    busy, cur_s, cur_e = 0.0, spans[0][0], spans[0][1]
-    for s, e in spans[1:]:
-        if s > cur_e:
-            busy += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    busy += cur_e - cur_s
-    wall = spans[-1][1] - spans[0][0]
+    spans = [(k["ts"], k["ts"] + k["dur"]) for k in gpu]
+    busy = _length(_union(spans))
+    wall = max(e for _, e in spans) - min(s for s, _ in spans)
+    # Communication time, and the part of it during which no other kernel runs (issue 8's exposed
+    # communication): the union of comm kernels minus the union of the rest.
+    comm = _union([(k["ts"], k["ts"] + k["dur"]) for k, part in zip(gpu, parts) if part == "comm"])
+    compute = _union([(k["ts"], k["ts"] + k["dur"]) for k, part in zip(gpu, parts) if part != "comm"])
+    comm_exposed = _length(comm) - _length(_intersection(comm, compute))
     ms = 1e-3 / steps
     kernels = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]
     return {
@@ -175,6 +204,8 @@ def breakdown(trace: dict[str, Any] | list, steps: int, vocab_min: int = 100_000
         "wall_ms": wall * ms,
         "busy_ms": busy * ms,
         "idle_ms": (wall - busy) * ms,
+        "comm_ms": _length(comm) * ms,
+        "comm_exposed_ms": comm_exposed * ms,
         "parts_ms": {p: per_part.get(p, 0.0) * ms for p in PARTS},
         "top_kernels": [{"part": p, "name": n, "ms": t * ms, "calls": c / steps} for (p, n), (t, c) in kernels],
     }
@@ -182,8 +213,10 @@ def breakdown(trace: dict[str, Any] | list, steps: int, vocab_min: int = 100_000
 
 def markdown(report: dict[str, Any]) -> str:
     wall = report["wall_ms"]
-    lines = [f"step wall {wall:.1f} ms, GPU busy {report['busy_ms']:.1f} ms, idle {report['idle_ms']:.1f} ms "
-             f"(per step, over {report['steps']} steps)", "", "| part | ms / step | % of wall |", "| --- | ---: | ---: |"]
+    lines = [f"step wall {wall:.1f} ms, GPU busy {report['busy_ms']:.1f} ms, idle {report['idle_ms']:.1f} ms, "
+             f"communication {report['comm_ms']:.1f} ms of which exposed {report['comm_exposed_ms']:.1f} ms "
+             f"({100 * report['comm_exposed_ms'] / wall:.1f}% of wall) (per step, over {report['steps']} steps)", "",
+             "| part | ms / step | % of wall |", "| --- | ---: | ---: |"]
     for part, v in sorted(report["parts_ms"].items(), key=lambda kv: -kv[1]):
         lines.append(f"| {part} | {v:.2f} | {100 * v / wall:.1f} |")
     lines.append(f"| idle | {report['idle_ms']:.2f} | {100 * report['idle_ms'] / wall:.1f} |")

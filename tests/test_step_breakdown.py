@@ -90,3 +90,14 @@ def test_cpu_only_trace_is_refused(tmp_path, capsys):
     path.write_text(json.dumps(cpu_only))
     assert SB.main([str(path), "--steps", "1"]) == 2
     assert "profile a CUDA run" in capsys.readouterr().err
+
+
+def test_exposed_communication():
+    """Two streams: an all-to-all 0-10 us overlapped by a GEMM 5-20 us, then one 20-30 us alone."""
+    ev = [_kernel("ncclDevKernel_SendRecv", 0, 10, 1, 1), _kernel("nvjet_gemm", 5, 15, 2, 2),
+          _kernel("ncclDevKernel_AllToAll", 20, 10, 3, 3)]
+    report = SB.breakdown({"traceEvents": ev}, steps=1)
+    assert report["comm_ms"] == pytest.approx(0.020)
+    assert report["comm_exposed_ms"] == pytest.approx(0.015)  # 0-5 and 20-30
+    assert report["busy_ms"] == pytest.approx(0.030) and report["idle_ms"] == pytest.approx(0.0)
+    assert "exposed 0.0 ms" in SB.markdown(report)
