@@ -304,15 +304,25 @@ def plan(s: Setting, *, toml_path: Path, data_dir: Path, python: str = sys.execu
         Run("ours_mega_fp8", "ours, `mega` backend, FP8 experts (blockwise)", "ours", "fp8",
             ours + ["--moe.backend", "mega", "--quantize.moe", "fp8_blockwise", *ours_extra]),
     ] + [
-        Run(name, f"ours, `mega` backend, bf16, `{shlex.join(args)}`", "ours",
+        Run(name, f"ours, `{_variant_backend(args)}` backend, `{shlex.join(args)}`", "ours",
             "fp8" if any("fp8" in a for a in args) else "bf16",
             ours + ["--moe.backend", "mega", *ours_extra, *args])
         for name, args in variants
     ]
 
 
+def _variant_backend(args: list[str]) -> str:
+    """The MoE backend a variant runs: ``mega`` unless its arguments name another (the last wins)."""
+    backend = "mega"
+    for flag, value in zip(args, args[1:]):
+        if flag == "--moe.backend":
+            backend = value
+    return backend
+
+
 def parse_variant(text: str) -> tuple[str, list[str]]:
-    """``NAME=ARGS`` -> (NAME, ARGS split like a shell): a run of ``ours_mega`` plus ARGS."""
+    """``NAME=ARGS`` -> (NAME, ARGS split like a shell): a run of ``ours_mega`` plus ARGS (which may
+    name another backend: the trainer takes the last value of a repeated key)."""
     name, sep, args = text.partition("=")
     if not sep or not re.fullmatch(r"[A-Za-z0-9_]+", name) or not args.strip():
         raise ValueError(f"--variant {text!r}: expected NAME=ARGS, NAME letters, digits and _ (it names the log "

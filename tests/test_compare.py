@@ -241,6 +241,11 @@ def test_variants_are_ours_mega_plus_their_arguments(tmp_path):
     assert [r.name for r in planned] == [r.name for r in runs] + ["keep_attn"]
     cfg = parse_args(planned[-1].cmd[2:])
     assert (cfg.moe.backend, cfg.activation_checkpoint.keep, cfg.compile.loss) == ("mega", "attention", False)
+    assert planned[-1].label.startswith("ours, `mega` backend")
+    other = compare.plan(setting, toml_path=toml_path, data_dir=data_dir,
+                         variants=[compare.parse_variant("tt_flash=--moe.backend torchtitan --model.attention_backend flash")])
+    assert other[-1].label.startswith("ours, `torchtitan` backend")
+    assert parse_args(other[-1].cmd[2:]).moe.backend == "torchtitan"
     for bad in ("noequals", "bad name=--x 1", "empty="):
         with pytest.raises(ValueError, match="expected NAME=ARGS"):
             compare.parse_variant(bad)
