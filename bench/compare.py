@@ -2,6 +2,7 @@
 
     python -m bench.compare --model qwen3_30b_a3b --layers 4 --seq-len 16384          # ~8 min on an H200
     python -m bench.compare --model qwen3_235b_a22b --layers 1 --seq-len 16384
+    python -m bench.compare --layers 48 --gpus 8 --ep 8 --only titan_fp8,ours_mega_fp8   # issue 8
     python -m bench.compare ... --only titan_bf16,ours_mega --steps 20 --out outputs/compare
     python -m bench.compare ... --only titan_bf16,ours_mega --variant keep_attn="--activation_checkpoint.keep attention"
     python -m bench.compare ... --dry-run          # write the configs and data, print the commands
@@ -187,6 +188,8 @@ class Setting:
     load_balance: str = "none"
     attention_backend: str = ""   # ours only; empty = the config's default
     window: tuple[int, int] = (6, 20)
+    gpus: int = 1                 # processes (GPUs) of every run: FSDP over all of them
+    ep: int = 1                   # expert-parallel degree within them
 
     @property
     def titan_flavor(self) -> str:
@@ -202,9 +205,9 @@ def torchtitan_toml(s: Setting, *, data_dir: Path, tokenizer_dir: Path = TOKENIZ
     def q(v: Any) -> str:
         return json.dumps(str(v))
 
-    return f"""# Written by bench/compare.py: upstream TorchTitan 0.2.2 on one GPU, the head-to-head setting.
+    return f"""# Written by bench/compare.py: upstream TorchTitan 0.2.2, the head-to-head setting ({s.gpus} GPU(s)).
 [job]
-description = {q(f"Qwen3 {MODELS[s.model][0]} shape, {s.layers} layers, 1 GPU (bench.compare)")}
+description = {q(f"Qwen3 {MODELS[s.model][0]} shape, {s.layers} layers, {s.gpus} GPU(s), EP {s.ep} (bench.compare)")}
 dump_folder = {q(s.out / "torchtitan")}
 
 [model]
@@ -239,7 +242,7 @@ min_lr_factor = {MIN_LR_FACTOR}
 data_parallel_replicate_degree = 1
 data_parallel_shard_degree = -1
 tensor_parallel_degree = 1
-expert_parallel_degree = 1
+expert_parallel_degree = {s.ep}
 
 [activation_checkpoint]
 mode = "full"
@@ -268,11 +271,14 @@ def plan(s: Setting, *, toml_path: Path, data_dir: Path, python: str = sys.execu
          variants: list[tuple[str, list[str]]] = ()) -> list[Run]:
     """Every run of the comparison, in the order they are made; ``variants`` (name, arguments) are
     ``ours_mega`` with those arguments added, run last (ablations in the same call and table)."""
-    titan = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+    titan = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(s.gpus),
              "-m", "torchtitan.train", "--job.config_file", str(toml_path), *titan_extra]
     no_titan = "" if _has("torchtitan") else "torchtitan is not installed (pip install \".[baseline]\")"
     no_torchao = no_titan or ("" if _has("torchao") else "torchao is not installed (FP8 needs torchao==0.16.0)")
-    ours = [python, "train.py", "--config", "train_configs/qwen3_30b_a3b_1gpu.toml",
+    # One GPU: a plain process (bf16 autocast); several: torchrun, FSDP over all ranks (+ EP).
+    launch = ([python, "train.py"] if s.gpus == 1 else
+              [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(s.gpus), "train.py"])
+    ours = [*launch, "--config", "train_configs/qwen3_30b_a3b_1gpu.toml",
             "--job.dump_folder", str(s.out / "ours"),
             "--model.flavor", s.model, "--model.n_layers", str(s.layers), "--model.rope_theta", repr(s.rope_theta),
             "--model.tokenizer_path", str(TOKENIZER_DIR / "tokenizer.json"),
@@ -286,6 +292,7 @@ def plan(s: Setting, *, toml_path: Path, data_dir: Path, python: str = sys.execu
             "--lr_scheduler.decay_ratio", "1.0", "--lr_scheduler.min_lr_factor", repr(MIN_LR_FACTOR),
             "--activation_checkpoint.mode", "full", "--compile.enable", "true",
             "--moe.load_balance", s.load_balance, "--metrics.log_freq", "1",
+            "--parallelism.expert_parallel_degree", str(s.ep),
             "--metrics.summary_start_step", str(s.window[0]), "--metrics.summary_end_step", str(s.window[1])]
     if s.attention_backend:
         ours += ["--model.attention_backend", s.attention_backend]
@@ -627,6 +634,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=16384)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--gpus", type=int, default=1, help="GPUs (processes) per run, FSDP over all (issue 8: 8)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree within --gpus (issue 8: 8)")
     p.add_argument("--window", default="6-20", help="steps averaged, e.g. 6-20")
     p.add_argument("--out", type=Path, default=None, help="default outputs/compare/<model>_<layers>L")
     p.add_argument("--only", default="", help="comma-separated run names (titan_bf16, titan_fp8, ours_torchtitan, "
@@ -651,6 +660,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.model not in MODELS:
         p.error(f"unknown model {args.model}")
+    if args.gpus < 1 or args.ep < 1 or args.gpus % args.ep:
+        p.error(f"--ep {args.ep} must be >= 1 and divide --gpus {args.gpus}")
     return args
 
 
@@ -675,9 +686,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {path.relative_to(ROOT)}")
         return 0
     lo, hi = (int(x) for x in args.window.split("-"))
-    out = (args.out or ROOT / "outputs" / "compare" / f"{args.model}_{args.layers}L").resolve()
+    out = (args.out or ROOT / "outputs" / "compare" / f"{args.model}_{args.layers}L"
+           f"{f'_{args.gpus}gpu_ep{args.ep}' if args.gpus > 1 else ''}").resolve()
     setting = Setting(args.model, args.layers, args.seq_len, args.steps, out, args.load_balance,
-                      args.attention_backend, (lo, hi))
+                      args.attention_backend, (lo, hi), args.gpus, args.ep)
     if not (TOKENIZER_DIR / "tokenizer.json").is_file():
         write_tokenizer()
     data_dir = write_jsonl_data(out / "data")
@@ -704,6 +716,10 @@ def main(argv: list[str] | None = None) -> int:
     # must not look for the network, and the repo root must be importable for custom_import.
     env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])))
+    # NVLink multicast stays off on shared hosts (it can put a host's GPUs out of service).
+    for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                       ("NVSHMEM_DISABLE_NVLS", "1")):
+        env.setdefault(key, value)
     from models.qwen3.args import get_model_args
     from models.qwen3.model import count_params
 

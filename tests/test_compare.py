@@ -250,3 +250,22 @@ def test_variants_are_ours_mega_plus_their_arguments(tmp_path):
         with pytest.raises(ValueError, match="expected NAME=ARGS"):
             compare.parse_variant(bad)
     assert compare.main(["--variant", "ours_mega=--compile.loss false", "--dry-run", "--out", str(tmp_path / "o")]) == 2
+
+
+def test_several_gpus_run_under_torchrun_with_ep(tmp_path):
+    """Issue 8's setting: every run is torchrun with --gpus processes, EP --ep in both trainers."""
+    from components.config import parse_args
+
+    setting = compare.Setting("qwen3_30b_a3b", 48, 16384, 20, tmp_path, gpus=8, ep=8)
+    data_dir = compare.write_jsonl_data(tmp_path / "data")
+    toml = compare.torchtitan_toml(setting, data_dir=data_dir)
+    assert "expert_parallel_degree = 8" in toml
+    runs = {r.name: r for r in compare.plan(setting, toml_path=tmp_path / "t.toml", data_dir=data_dir)}
+    titan = runs["titan_bf16"].cmd
+    assert titan[titan.index("--nproc_per_node") + 1] == "8"
+    ours = runs["ours_mega"].cmd
+    assert ours[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "8"]
+    cfg = parse_args(ours[ours.index("train.py") + 1:])
+    assert (cfg.parallelism.expert_parallel_degree, cfg.model.n_layers) == (8, 48)
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--gpus", "8", "--ep", "3"])
