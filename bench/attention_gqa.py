@@ -2,7 +2,10 @@
 
     python -m bench.attention_gqa
 
-Compares ``enable_gqa=True`` against repeating K/V to all heads, under each SDPA backend.
+Compares ``enable_gqa=True`` against repeating K/V to all heads, under each SDPA backend, and
+FlexAttention (``torch.compile``-d ``flex_attention`` with a causal block mask, GQA), which issue 7
+asks to compare. :func:`flex_causal_attention` is checked against SDPA on CPU by
+tests/test_attention_bench.py.
 """
 
 from __future__ import annotations
@@ -24,6 +27,26 @@ def time_ms(fn, iters=20, warmup=5):
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
+
+
+def flex_causal_attention(compiled: bool = True):
+    """``attn(q, k, v) -> out``: causal GQA attention through FlexAttention, the block mask built
+    once per (L, device) and reused (as a training step would)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    fn = torch.compile(flex_attention, fullgraph=True) if compiled else flex_attention
+    masks = {}
+
+    def attn(q, k, v):
+        key = (q.shape[-2], q.device)
+        if key not in masks:
+            masks[key] = create_block_mask(causal, None, None, q.shape[-2], k.shape[-2], device=q.device)
+        return fn(q, k, v, block_mask=masks[key], enable_gqa=q.shape[1] != k.shape[1])
+
+    return attn
 
 
 def main():
@@ -50,6 +73,16 @@ def main():
                 rows.append((name, mode, f"{ms:.2f}", f"{flops / ms / 1e9:.0f}"))
             except RuntimeError as e:
                 rows.append((name, mode, "unsupported", str(e).splitlines()[0][:60]))
+    flex = flex_causal_attention()
+
+    def flex_step():
+        flex(q, k, v).backward(dout)
+
+    try:
+        ms = time_ms(flex_step)
+        rows.append(("flex (compiled)", "enable_gqa", f"{ms:.2f}", f"{flops / ms / 1e9:.0f}"))
+    except Exception as e:  # noqa: BLE001 - report any failure of the optional path as a row
+        rows.append(("flex (compiled)", "enable_gqa", "failed", str(e).splitlines()[0][:60]))
     print(f"attention fwd+bwd B={B} L={L} H={H} KV={KV} head_dim={Hd}, torch {torch.__version__}")
     print("| backend | GQA | ms | TFLOP/s |\n| --- | --- | --- | --- |")
     for r in rows:
