@@ -3,6 +3,7 @@
     python -m bench.compare --model qwen3_30b_a3b --layers 4 --seq-len 16384          # ~8 min on an H200
     python -m bench.compare --model qwen3_235b_a22b --layers 1 --seq-len 16384
     python -m bench.compare --layers 48 --gpus 8 --ep 8 --only titan_fp8,ours_mega_fp8   # issue 8
+    python -m bench.compare ... --profile          # + GPU time by part of each run (bench.step_breakdown)
     python -m bench.compare ... --only titan_bf16,ours_mega --steps 20 --out outputs/compare
     python -m bench.compare ... --only titan_bf16,ours_mega --variant keep_attn="--activation_checkpoint.keep attention"
     python -m bench.compare ... --dry-run          # write the configs and data, print the commands
@@ -56,6 +57,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -190,6 +192,7 @@ class Setting:
     window: tuple[int, int] = (6, 20)
     gpus: int = 1                 # processes (GPUs) of every run: FSDP over all of them
     ep: int = 1                   # expert-parallel degree within them
+    profile: bool = False         # profile steps after the timed ones (see profile_args)
 
     @property
     def titan_flavor(self) -> str:
@@ -296,6 +299,9 @@ def plan(s: Setting, *, toml_path: Path, data_dir: Path, python: str = sys.execu
             "--metrics.summary_start_step", str(s.window[0]), "--metrics.summary_end_step", str(s.window[1])]
     if s.attention_backend:
         ours += ["--model.attention_backend", s.attention_backend]
+    if s.profile:
+        titan += profile_args(s, "torchtitan")
+        ours += profile_args(s, "ours")
     no_titan_backend = "" if _has("torchtitan") else "our 'torchtitan' backend needs the torchtitan package"
     return [
         Run("titan_bf16", "TorchTitan 0.2.2, bf16", "torchtitan", "bf16", titan, skip=no_titan),
@@ -335,6 +341,68 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
         raise ValueError(f"--variant {text!r}: expected NAME=ARGS, NAME letters, digits and _ (it names the log "
                          f"file), ARGS our trainer's arguments, e.g. keep_attn='--activation_checkpoint.keep attention'")
     return name, shlex.split(args)
+
+
+# Profiled steps come after --steps, so the timed window is untouched: ours profiles 2 steps;
+# upstream's schedule (wait, warmup 3, active 1 at step profile_freq) profiles one.
+PROFILED_STEPS = {"ours": 2, "torchtitan": 1}
+_TITAN_EXTRA_STEPS = 4
+
+
+def profile_args(s: Setting, trainer: str) -> list[str]:
+    """Arguments that make a run profile steps after its timed ones (a later key wins over the
+    earlier --training.steps in both trainers)."""
+    if trainer == "ours":
+        return ["--training.steps", str(s.steps + PROFILED_STEPS["ours"]), "--profiling.enable_profiling", "true",
+                "--profiling.profile_start_step", str(s.steps + 1),
+                "--profiling.profile_steps", str(PROFILED_STEPS["ours"])]
+    last = s.steps + _TITAN_EXTRA_STEPS
+    return ["--training.steps", str(last), "--profiling.enable_profiling", "--profiling.profile_freq", str(last)]
+
+
+def take_trace(s: Setting, trainer: str) -> Path | None:
+    """The rank-0 trace the last run of ``trainer`` wrote (and no older one), or None."""
+    root = s.out / ("ours" if trainer == "ours" else "torchtitan") / "profile_traces"
+    traces = sorted(root.glob("*/rank0_trace.json"), key=lambda p: p.stat().st_mtime) if root.is_dir() else []
+    return traces[-1] if traces else None
+
+
+def profile_breakdown(s: Setting, run: Run, out: Path) -> dict[str, Any]:
+    """``bench.step_breakdown`` of the run's trace, written to <out>/breakdown/<run>.md/.json; the
+    trace folder is removed afterwards (traces are large, and the next run must not read it)."""
+    from bench import step_breakdown
+
+    trace = take_trace(s, run.trainer)
+    if trace is None:
+        return {"breakdown_error": "no trace written"}
+    try:
+        report = step_breakdown.breakdown(json.loads(trace.read_text()), PROFILED_STEPS[run.trainer])
+    except (ValueError, json.JSONDecodeError) as e:
+        return {"breakdown_error": str(e)}
+    finally:
+        shutil.rmtree(trace.parent.parent, ignore_errors=True)
+    folder = out / "breakdown"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{run.name}.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    (folder / f"{run.name}.md").write_text(f"# {run.label}\n\n" + step_breakdown.markdown(report) + "\n",
+                                           encoding="utf-8")
+    return {"breakdown": {k: report[k] for k in ("wall_ms", "busy_ms", "idle_ms", "comm_exposed_ms", "parts_ms")}}
+
+
+def breakdown_table(results: list[dict[str, Any]]) -> str:
+    """Per-part GPU ms per step, one column per profiled run."""
+    from bench.step_breakdown import PARTS
+
+    runs = [r for r in results if "breakdown" in r]
+    if not runs:
+        return ""
+    lines = ["| ms / step | " + " | ".join(r["name"] for r in runs) + " |",
+             "| --- |" + " ---: |" * len(runs)]
+    for part in PARTS:
+        lines.append(f"| {part} | " + " | ".join(f"{r['breakdown']['parts_ms'][part]:.1f}" for r in runs) + " |")
+    for key in ("idle_ms", "comm_exposed_ms", "wall_ms"):
+        lines.append(f"| {key[:-3].replace('_', ' ')} | " + " | ".join(f"{r['breakdown'][key]:.1f}" for r in runs) + " |")
+    return "\n".join(lines)
 
 
 def _has(package: str) -> bool:
@@ -636,6 +704,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--gpus", type=int, default=1, help="GPUs (processes) per run, FSDP over all (issue 8: 8)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree within --gpus (issue 8: 8)")
+    p.add_argument("--profile", action="store_true", help="profile steps after the timed ones and write each "
+                   "run's GPU time by part (bench.step_breakdown) to <out>/breakdown/ and breakdown.md")
     p.add_argument("--window", default="6-20", help="steps averaged, e.g. 6-20")
     p.add_argument("--out", type=Path, default=None, help="default outputs/compare/<model>_<layers>L")
     p.add_argument("--only", default="", help="comma-separated run names (titan_bf16, titan_fp8, ours_torchtitan, "
@@ -689,7 +759,7 @@ def main(argv: list[str] | None = None) -> int:
     out = (args.out or ROOT / "outputs" / "compare" / f"{args.model}_{args.layers}L"
            f"{f'_{args.gpus}gpu_ep{args.ep}' if args.gpus > 1 else ''}").resolve()
     setting = Setting(args.model, args.layers, args.seq_len, args.steps, out, args.load_balance,
-                      args.attention_backend, (lo, hi), args.gpus, args.ep)
+                      args.attention_backend, (lo, hi), args.gpus, args.ep, args.profile)
     if not (TOKENIZER_DIR / "tokenizer.json").is_file():
         write_tokenizer()
     data_dir = write_jsonl_data(out / "data")
@@ -769,6 +839,8 @@ def main(argv: list[str] | None = None) -> int:
         if entry["status"] != "ok":
             entry["reason"] = failure_reason(text)
             entry["log_tail"] = text.splitlines()[-15:]
+        if setting.profile:
+            entry.update(profile_breakdown(setting, run, out))
         print(f"[{run.name}] {entry['status']} in {info['wall_s']}s"
               + (f": {summary['tokens_per_s']:,.0f} tokens/s, {summary['step_time_s']:.3f} s/step, "
                  f"loss {summary['final_loss']}" if entry["status"] == "ok" else f": {entry['reason']}"), flush=True)
@@ -776,6 +848,9 @@ def main(argv: list[str] | None = None) -> int:
 
     chart = write_report(report, out, chart=not args.dry_run)
     print(markdown(report))
+    if table := breakdown_table(report["results"]):
+        (out / "breakdown.md").write_text(table + "\n", encoding="utf-8")
+        print(f"\nGPU time by part (bench.step_breakdown of the profiled steps):\n{table}")
     print(f"wrote {out / 'compare.json'}, {out / 'compare.md'}; chart: {chart}")
     return 0
 

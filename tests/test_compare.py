@@ -269,3 +269,31 @@ def test_several_gpus_run_under_torchrun_with_ep(tmp_path):
     assert (cfg.parallelism.expert_parallel_degree, cfg.model.n_layers) == (8, 48)
     with pytest.raises(SystemExit):
         compare.parse_args(["--gpus", "8", "--ep", "3"])
+
+
+def test_profile_runs_after_the_window_and_breakdowns(tmp_path):
+    """--profile: both trainers profile steps after --steps (the timed window is untouched); the
+    trace of each run becomes <out>/breakdown/<run>.md/.json and a column of breakdown.md, and is
+    removed so the next run cannot read it."""
+    from components.config import parse_args
+    from tests.test_step_breakdown import _trace
+
+    setting = compare.Setting("qwen3_30b_a3b", 4, 16384, 20, tmp_path, profile=True)
+    data_dir = compare.write_jsonl_data(tmp_path / "data")
+    runs = {r.name: r for r in compare.plan(setting, toml_path=tmp_path / "t.toml", data_dir=data_dir)}
+    cfg = parse_args(runs["ours_mega"].cmd[2:])
+    assert (cfg.training.steps, cfg.profiling.enable_profiling, cfg.profiling.profile_start_step,
+            cfg.profiling.profile_steps) == (22, True, 21, 2)
+    titan = runs["titan_bf16"].cmd
+    assert titan[-5:] == ["--training.steps", "24", "--profiling.enable_profiling", "--profiling.profile_freq", "24"]
+
+    trace_dir = tmp_path / "ours" / "profile_traces" / "step-21-22"
+    trace_dir.mkdir(parents=True)
+    (trace_dir / "rank0_trace.json").write_text(json.dumps(_trace()))
+    entry = compare.profile_breakdown(setting, runs["ours_mega"], tmp_path)
+    assert not (tmp_path / "ours" / "profile_traces").exists()
+    assert (tmp_path / "breakdown" / "ours_mega.md").read_text().startswith("# ours, `mega` backend")
+    assert entry["breakdown"]["parts_ms"]["moe"] == pytest.approx(0.053 / 2)
+    table = compare.breakdown_table([{"name": "ours_mega", **entry}, {"name": "titan_bf16", "status": "ok"}])
+    assert table.splitlines()[0] == "| ms / step | ours_mega |" and "| moe | 0.0 |" in table
+    assert compare.profile_breakdown(setting, runs["titan_bf16"], tmp_path) == {"breakdown_error": "no trace written"}
