@@ -352,6 +352,11 @@ def _check_consistency(cfg: JobConfig, where: str) -> None:
     t = cfg.training
     if t.global_batch_size == 0:  # the range check already allows only -1 or more
         raise ConfigError(f"{where}: [training] global_batch_size must be -1 or >= 1, got {t.global_batch_size}")
+    ac = cfg.activation_checkpoint
+    if ac.keep != "none" and ac.mode == "none":
+        raise ConfigError(f"{where}: [activation_checkpoint] keep = {ac.keep!r} keeps ops of checkpointed blocks, but "
+                          f"mode = \"none\" checkpoints nothing; set mode = \"full\" (or \"selective\"), or "
+                          f"keep = \"none\"")
     from kernels import available_moe_backends
 
     if cfg.moe.backend not in available_moe_backends():

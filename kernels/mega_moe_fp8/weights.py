@@ -21,7 +21,8 @@ import dataclasses
 
 import torch
 
-_FIELDS = ("w1_q", "w1_s", "w3_q", "w3_s", "w2_q", "w2_s", "w2t_q", "w2t_s", "w13t_q", "w13t_s")
+# The tensor fields, in the order of tensors() (the custom ops take them as one list).
+TENSOR_FIELDS = ("w1_q", "w1_s", "w3_q", "w3_s", "w2_q", "w2_s", "w2t_q", "w2t_s", "w13t_q", "w13t_s")
 
 
 @dataclasses.dataclass
@@ -56,20 +57,13 @@ class QuantizedExpertWeights:
 
     def tensors(self) -> list[torch.Tensor]:
         """The ten tensors in a fixed order (the custom ops take them as one list)."""
-        return [getattr(self, f) for f in _FIELDS]
+        return [getattr(self, f) for f in TENSOR_FIELDS]
 
     @classmethod
     def from_tensors(cls, tensors: list[torch.Tensor], pow2_scales: bool) -> "QuantizedExpertWeights":
-        if len(tensors) != len(_FIELDS):
-            raise ValueError(f"QuantizedExpertWeights takes {len(_FIELDS)} tensors, got {len(tensors)}")
+        if len(tensors) != len(TENSOR_FIELDS):
+            raise ValueError(f"QuantizedExpertWeights takes {len(TENSOR_FIELDS)} tensors, got {len(tensors)}")
         return cls(*tensors, pow2_scales=pow2_scales)
-
-    def copy_(self, other: "QuantizedExpertWeights") -> None:
-        """Overwrite in place (a compiled graph that reads these tensors stays valid)."""
-        if other.pow2_scales != self.pow2_scales:
-            raise ValueError("QuantizedExpertWeights.copy_: the two were made with different pow2_scales")
-        for f in _FIELDS:
-            getattr(self, f).copy_(getattr(other, f))
 
     def check_matches(self, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor, w2_EDF: torch.Tensor,
                       pow2_scales: bool) -> None:

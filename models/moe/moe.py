@@ -85,10 +85,7 @@ class MoE(nn.Module):
         """Returns (y_BLD, router_stats_3E): row 0 the routed-slot counts per expert (no gradient),
         row 1 the summed router probabilities (for the auxiliary loss), row 2 the slots dropped by
         expert parallelism's capacity (the trainer stops if any)."""
-        B, L, D = x_BLD.shape
-        x_TD, topk_ids_TK, topk_weights_TK, tokens_per_expert_E, probs_sum_E = self.route(x_BLD)
-        y_TD, dropped_E = self.experts(x_TD, topk_ids_TK, topk_weights_TK)
-        return y_TD.reshape(B, L, D), self.stats(tokens_per_expert_E, probs_sum_E, dropped_E)
+        return self.run_experts(x_BLD.shape, *self.route(x_BLD))
 
     def route(self, x_BLD: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -96,9 +93,12 @@ class MoE(nn.Module):
         x_TD = x_BLD.reshape(-1, x_BLD.shape[-1])
         return (x_TD, *self.router(x_TD))
 
-    @staticmethod
-    def stats(tokens_per_expert_E: torch.Tensor, probs_sum_E: torch.Tensor, dropped_E: torch.Tensor) -> torch.Tensor:
-        return torch.stack([tokens_per_expert_E, probs_sum_E, dropped_E.detach()])
+    def run_experts(self, shape_BLD: torch.Size, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor,
+                    topk_weights_TK: torch.Tensor, tokens_per_expert_E: torch.Tensor, probs_sum_E: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts' part, from :meth:`route`'s outputs: (y_BLD, router_stats_3E) as :meth:`forward`."""
+        y_TD, dropped_E = self.experts(x_TD, topk_ids_TK, topk_weights_TK)
+        return y_TD.reshape(shape_BLD), torch.stack([tokens_per_expert_E, probs_sum_E, dropped_E.detach()])
 
     def reset_parameters(self, init_std: float, out_init_std: float) -> None:
         self.router.reset_parameters(init_std)

@@ -63,13 +63,36 @@ class ExpertWeightCache(nn.Module):
         if mode not in CACHE_MODES:
             raise ValueError(f"ExpertWeightCache mode must be one of {CACHE_MODES}, got {mode!r}")
         self.mode, self.dtype, self.pow2_scales = mode, dtype, pow2_scales
-        self._versions: tuple[int, ...] | None = None  # None: invalidated
-        self.quantized = None
-        ws = [_local(w).detach() for w in (experts.w1, experts.w3, experts.w2)]
         if mode == "bf16":
-            for name, w in zip(("w1", "w3", "w2"), ws):
-                self.register_buffer(name, torch.empty_like(w, dtype=dtype), persistent=False)
-        self.refresh(experts)
+            self._names: tuple[str, ...] = ("w1", "w3", "w2")
+        else:
+            from kernels.mega_moe_fp8.weights import TENSOR_FIELDS
+
+            self._names = TENSOR_FIELDS
+        # The buffers are the only copy; refresh() overwrites them in place (a compiled graph that
+        # reads them stays valid).
+        with torch.no_grad():
+            for name, src in zip(self._names, self._sources(experts)):
+                self.register_buffer(name, src.to(dtype, copy=True) if mode == "bf16" else src, persistent=False)
+        self._versions: tuple[int, ...] | None = self.versions(experts)  # None: invalidated
+
+    def _sources(self, experts: nn.Module) -> list[torch.Tensor]:
+        """What the buffers are made from: this rank's weights (bf16 mode, cast by the copy), or their
+        e4m3 copies, quantized from the compute-dtype values as the uncached op does (the same bytes)."""
+        w1, w3, w2 = (_local(w).detach() for w in (experts.w1, experts.w3, experts.w2))
+        if self.mode == "bf16":
+            return [w1, w3, w2]
+        from kernels.mega_moe_fp8.weights import QuantizedExpertWeights
+
+        return QuantizedExpertWeights.quantize(w1.to(self.dtype), w3.to(self.dtype), w2.to(self.dtype),
+                                               self.pow2_scales).tensors()
+
+    @property
+    def quantized(self):
+        """The e4m3 copies (fp8 mode) as the op takes them: views of the buffers, not a second copy."""
+        from kernels.mega_moe_fp8.weights import QuantizedExpertWeights
+
+        return QuantizedExpertWeights.from_tensors([getattr(self, n) for n in self._names], self.pow2_scales)
 
     @staticmethod
     def versions(experts: nn.Module) -> tuple[int, ...]:
@@ -85,23 +108,8 @@ class ExpertWeightCache(nn.Module):
 
     @torch.no_grad()
     def refresh(self, experts: nn.Module) -> None:
-        w1, w3, w2 = (_local(w).detach() for w in (experts.w1, experts.w3, experts.w2))
-        if self.mode == "bf16":
-            self.w1.copy_(w1)
-            self.w3.copy_(w3)
-            self.w2.copy_(w2)
-        else:
-            from kernels.mega_moe_fp8.weights import QuantizedExpertWeights
-
-            # Quantized from the compute-dtype values, as the uncached op does: the same bytes.
-            fresh = QuantizedExpertWeights.quantize(w1.to(self.dtype), w3.to(self.dtype), w2.to(self.dtype),
-                                                    self.pow2_scales)
-            if self.quantized is None:
-                self.quantized = fresh
-                for i, t in enumerate(fresh.tensors()):
-                    self.register_buffer(f"q{i}", t, persistent=False)
-            else:
-                self.quantized.copy_(fresh)
+        for name, src in zip(self._names, self._sources(experts)):
+            getattr(self, name).copy_(src)
         self._versions = self.versions(experts)
 
     def weights(self, experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -136,9 +136,7 @@ class TransformerBlock(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.ac_keep != "none":
             return self._forward_keeping(h_BLD, cos_Ld, sin_Ld)
-        h_BLD = h_BLD + self.attention(self.attention_norm(h_BLD), cos_Ld, sin_Ld)
-        moe_out, router_stats_3E = self.moe(self.ffn_norm(h_BLD))
-        return h_BLD + moe_out, router_stats_3E
+        return self._after_attention(h_BLD, self.attention.attend(*self._qkv(h_BLD, cos_Ld, sin_Ld)))
 
     def _qkv(self, h_BLD, cos_Ld, sin_Ld):
         return self.attention.project_qkv(self.attention_norm(h_BLD), cos_Ld, sin_Ld)
@@ -164,11 +162,9 @@ class TransformerBlock(nn.Module):
         attn_BHLd = self.attention.attend(q, k, v)
         if self.ac_keep == "attention":
             return ckpt(self._after_attention, h_BLD, attn_BHLd)
-        B, L, D = h_BLD.shape
-        h_BLD, x_TD, topk_ids_TK, topk_weights_TK, tokens_per_expert_E, probs_sum_E = ckpt(
-            self._after_attention_to_router, h_BLD, attn_BHLd)
-        y_TD, dropped_E = self.moe.experts(x_TD, topk_ids_TK, topk_weights_TK)
-        return h_BLD + y_TD.reshape(B, L, D), self.moe.stats(tokens_per_expert_E, probs_sum_E, dropped_E)
+        h_BLD, *routed = ckpt(self._after_attention_to_router, h_BLD, attn_BHLd)
+        moe_out, router_stats_3E = self.moe.run_experts(h_BLD.shape, *routed)
+        return h_BLD + moe_out, router_stats_3E
 
     def init_weights(self) -> None:
         out_std = depth_init_std(self.layer_id)
