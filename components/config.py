@@ -142,9 +142,9 @@ class ActivationCheckpoint:
     selective_layer_interval: int = _field(2, "with mode = selective, checkpoint every n-th block", ge=1)
     keep: str = _field("none", "ops of a checkpointed block whose outputs are kept instead of recomputed: none "
                        "(the whole block is recomputed, TorchTitan's full AC); attention (the SDPA core); "
-                       "attention_and_moe (also the routed experts). Costs memory per layer (~0.3 GB for "
-                       "attention, ~0.5 GB for mega's experts at the 30B shape, seq 16384) to skip their "
-                       "forward in the recomputation", choices=("none", "attention", "attention_and_moe"))
+                       "attention_and_moe (also the routed experts). Holds what those ops save for backward "
+                       "(SDPA's q, k, v, output and log-sum-exp; the experts' saved tensors) through the "
+                       "backward to skip their forward in the recomputation", choices=("none", "attention", "attention_and_moe"))
 
 
 @dataclass

@@ -153,10 +153,9 @@ class TransformerBlock(nn.Module):
     def _forward_keeping(self, h_BLD, cos_Ld, sin_Ld):
         """Activation checkpointing that keeps the attention core's outputs (and with
         "attention_and_moe" the routed experts'): the regions between them are recomputed in
-        backward, the kept ops are not. What is kept per layer (30B shape, seq 16384): SDPA's q, k,
-        v, output and log-sum-exp (~0.3 GB); the experts' saved tensors (``mega``: x and H, ~0.5 GB;
-        ``grouped_mm``: ~1.5 GB). What it saves: the kept ops' forward in the recomputation (at
-        the 30B shape ~4 ms for cuDNN attention and ~3 ms for the ``mega`` forward per layer)."""
+        backward, the kept ops are not. What is kept per layer: what SDPA saves (q, k, v, output,
+        log-sum-exp) and what the experts' backend saves (``mega``: x and H = [gate | up]). What it
+        saves: the kept ops' forward in the recomputation (predictions in bench/NOTES.md)."""
         ckpt = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False, preserve_rng_state=False)
         q, k, v = ckpt(self._qkv, h_BLD, cos_Ld, sin_Ld)
         attn_BHLd = self.attention.attend(q, k, v)
