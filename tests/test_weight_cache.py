@@ -33,14 +33,25 @@ def _run(op_args, weights, quantized):
     return [y, *grads]
 
 
-@pytest.mark.parametrize("wgrad", ["fp8", "bf16"])
-@pytest.mark.parametrize("pow2", [False, True])
-def test_quantized_weights_give_the_per_call_results(wgrad, pow2):
+# (T, K, E, D, F, routing, wgrad, pow2): T never a multiple of the tiles; both wgrad precisions and
+# both scale roundings each appear.
+_CASES = [
+    pytest.param(37, 2, 4, 256, 128, "empty_expert", "fp8", False, id="T37-top2-emptyexperts"),
+    pytest.param(33, 1, 4, 256, 256, "one_expert", "bf16", True, id="T33-top1-all-to-one-bf16wgrad-pow2"),
+    pytest.param(16, 8, 8, 128, 128, "random", "fp8", True, id="T16-top8-E8-pow2"),
+    # F not a multiple of 128: the dX operand's two zero-padded halves; D a partial scale tile.
+    pytest.param(21, 2, 4, 200, 192, "empty_expert", "bf16", False, id="T21-D200-F192-bf16wgrad"),
+]
+
+
+@pytest.mark.parametrize("T,K,E,D,F,kind,wgrad,pow2", _CASES)
+def test_quantized_weights_give_the_per_call_results(T, K, E, D, F, kind, wgrad, pow2):
     """mega_fp8 with the weights quantized beforehand equals mega_fp8 quantizing them itself, with
     bf16 weights (bitwise) and with float32 master weights as gradient carriers (bitwise, the
-    weight gradients after rounding their float32 values to bf16)."""
+    weight gradients after rounding their float32 values to bf16). Fresh random inputs each run
+    (the seed is in the failure message)."""
     seed = _seed()
-    x, ids, s, w1, w3, w2, dy = _inputs(37, 2, 4, 256, 128, "empty_expert")
+    x, ids, s, w1, w3, w2, dy = _inputs(T, K, E, D, F, kind)
     with options(wgrad=wgrad, pow2_scales=pow2):
         want = _run((x, ids, s, dy), (w1, w3, w2), None)
         q = QuantizedExpertWeights.quantize(w1, w3, w2, pow2)
