@@ -60,9 +60,9 @@ def main(T: int = 16384, top_k: int = 8, E: int = 128) -> None:
         w3q, w3s = Q.quantize_weight(w3)
         w2q, w2s = Q.quantize_weight(w2)
         g("gate_up + SwiGLU (+quant A)", lambda: G.fp8_gate_up_swiglu(
-            xq, xs, w1q, w1s, w3q, w3s, slots, offs, top_k, quantize_a=True, tiles=tiles), 2 * N * D * 2 * F)
+            xq, xs, w1q, w1s, w3q, w3s, slots, offs, top_k, quantize_a=True), 2 * N * D * 2 * F)
         _, a, (aq, as_) = G.fp8_gate_up_swiglu(xq, xs, w1q, w1s, w3q, w3s, slots, offs, top_k, quantize_a=True)
-        g("down (A sorted)", lambda: G.fp8_grouped_gemm(aq, as_, w2q, w2s, offs, tiles=tiles), 2 * N * F * D)
+        g("down (A sorted)", lambda: G.fp8_grouped_gemm(aq, as_, w2q, w2s, offs), 2 * N * F * D)
         dh = torch.randn(N, F, device=dev, dtype=torch.bfloat16)
         atq, ats = Q.quantize_cols_grouped(dh, offs, tiles=tiles, padded=True)
         btq, bts = Q.quantize_cols_grouped(x, offs, slots, top_k, tiles=tiles, padded=True)

@@ -21,7 +21,7 @@ import torch
 triton = pytest.importorskip("triton")
 from kernels.fp8 import grouped_gemm as G  # noqa: E402
 from kernels.fp8 import quant as Q  # noqa: E402
-from kernels.mega_moe.routing import sort_by_expert  # noqa: E402
+from kernels.mega_moe.routing import sort_by_expert, tile_table  # noqa: E402
 
 from tests.triton_interpreter import DEVICE, skip_unless_runnable  # noqa: E402
 from tests.triton_interpreter import HAS_CUDA as _HAS_CUDA  # noqa: E402
@@ -496,6 +496,11 @@ def test_clear_errors():
         G.fp8_grouped_gemm(xq, xs[:, :1].contiguous(), wq, ws, offs)
     with pytest.raises(ValueError, match="K ="):
         G.fp8_grouped_gemm(xq[:, :128].contiguous(), xs[:, :1].contiguous(), wq, ws, offs)
+    # A tile table built for other row tiles than the kernel's (the benchmark once passed 128-row
+    # tables to 64-row kernels: a CUDA address fault on the GPU) is refused with the fix.
+    wrong = tile_table(offs, 4, 1)
+    with pytest.raises(ValueError, match="build it with tile_table"):
+        G.fp8_grouped_gemm(xq, xs, wq, ws, offs, tiles=wrong, block_m=2)
     # fp8_wgrad's two layouts of quantize_cols_grouped, each passed with the other's flag.
     unpadded = Q.quantize_cols_grouped(x, offs)
     padded = Q.quantize_cols_grouped(x, offs, padded=True)

@@ -256,6 +256,18 @@ def _fp8_gate_up_kernel(
         tl.store(as_out_ptr + rows64 * FB + pid_n, s, mask=rmask)
 
 
+def _checked_tiles(tiles: torch.Tensor | None, offsets_E1: torch.Tensor, Nr: int, bm: int,
+                   n_tiles: int) -> torch.Tensor:
+    """The tile table for ``block_m = bm``: built when not given, else checked, since a table built
+    for another block_m makes the kernel read rows past the end (a CUDA address fault, no message)."""
+    if tiles is None:
+        return tile_table(offsets_E1, Nr, bm)
+    if tuple(tiles.shape) != (2, n_tiles):
+        raise ValueError(f"tiles has shape {tuple(tiles.shape)}, but block_m = {bm} over {Nr} rows needs "
+                         f"(2, {n_tiles}): build it with tile_table(offsets_E1, {Nr}, {bm}) or pass None")
+    return tiles
+
+
 def fp8_grouped_gemm(
     a_q: torch.Tensor,
     a_s: torch.Tensor,
@@ -318,8 +330,7 @@ def fp8_grouped_gemm(
     n_tiles = max_tiles(Nr, E, bm)
     if Nr == 0 or N == 0 or K == 0 or n_tiles == 0:
         return out.zero_() if K == 0 else out
-    if tiles is None:
-        tiles = tile_table(offsets_E1, Nr, bm)
+    tiles = _checked_tiles(tiles, offsets_E1, Nr, bm, n_tiles)
     _fp8_gemm_kernel[(n_tiles * triton.cdiv(N, bn),)](
         a_q, a_s, b_q, b_s, out, sorted_slot_N if sorted_slot_N is not None else offsets_E1,
         out_slot_N if out_slot_N is not None else offsets_E1,
@@ -390,8 +401,7 @@ def fp8_gate_up_swiglu(
     n_tiles = max_tiles(Nr, E, bm)
     if Nr == 0 or F == 0 or n_tiles == 0:
         return h, a, (aq, a_s) if quantize_a else None
-    if tiles is None:
-        tiles = tile_table(offsets_E1, Nr, bm)
+    tiles = _checked_tiles(tiles, offsets_E1, Nr, bm, n_tiles)
     _fp8_gate_up_kernel[(n_tiles * triton.cdiv(F, bn),)](
         x_q, x_s, w1_q, w1_s, w3_q, w3_s, h, a if store_a else h,
         aq.view(torch.uint8) if quantize_a else h, a_s if quantize_a else h,
