@@ -343,20 +343,22 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
     return name, shlex.split(args)
 
 
-# Profiled steps come after --steps, so the timed window is untouched: ours profiles 2 steps;
-# upstream's schedule (wait, warmup 3, active 1 at step profile_freq) profiles one.
+# Profiled steps come after --steps, so the timed window is untouched. Both trainers run the same
+# number of steps (their cosine schedules, which span the whole run, stay equal): upstream's
+# profiler schedule (wait, warmup 3, active 1 at step profile_freq) profiles the last one, ours the
+# last two.
 PROFILED_STEPS = {"ours": 2, "torchtitan": 1}
-_TITAN_EXTRA_STEPS = 4
+PROFILE_EXTRA_STEPS = 4
 
 
 def profile_args(s: Setting, trainer: str) -> list[str]:
     """Arguments that make a run profile steps after its timed ones (a later key wins over the
     earlier --training.steps in both trainers)."""
+    last = s.steps + PROFILE_EXTRA_STEPS
     if trainer == "ours":
-        return ["--training.steps", str(s.steps + PROFILED_STEPS["ours"]), "--profiling.enable_profiling", "true",
-                "--profiling.profile_start_step", str(s.steps + 1),
+        return ["--training.steps", str(last), "--profiling.enable_profiling", "true",
+                "--profiling.profile_start_step", str(last - PROFILED_STEPS["ours"] + 1),
                 "--profiling.profile_steps", str(PROFILED_STEPS["ours"])]
-    last = s.steps + _TITAN_EXTRA_STEPS
     return ["--training.steps", str(last), "--profiling.enable_profiling", "--profiling.profile_freq", str(last)]
 
 
@@ -486,7 +488,8 @@ def parse_step_lines(text: str) -> dict[int, dict[str, float]]:
 def summarize(steps: dict[int, dict[str, float]], tokens_per_step: int,
               window: tuple[int, int] = (6, 20)) -> dict[str, Any]:
     """Means over the step window (or every step after the first, if the run stopped before the
-    window), peak memory over all steps and the last step's loss."""
+    window), peak memory over all steps and the loss at the window's last step (or the last step
+    logged, if earlier): steps run after the window (profiled ones) do not move it."""
     lo, hi = window
     chosen = [s for s in sorted(steps) if lo <= s <= hi]
     note = ""
@@ -500,7 +503,7 @@ def summarize(steps: dict[int, dict[str, float]], tokens_per_step: int,
     mfu = [steps[s]["mfu"] for s in chosen if "mfu" in steps[s]]
     tflops = [steps[s]["tflops"] for s in chosen if "tflops" in steps[s]]
     memory = [v["memory_gib"] for v in steps.values() if "memory_gib" in v]
-    last = max(steps)
+    last = hi if hi in steps else max(steps)
     return {
         "steps_logged": len(steps), "window": [chosen[0], chosen[-1]], "window_note": note,
         "tokens_per_s": sum(tps) / len(tps),
@@ -574,7 +577,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"driver {env.get('driver', '?')}, commit {env.get('commit', '?')}.",
         "",
         "| run | tokens/s per GPU | vs TorchTitan best | vs TorchTitan bf16 | step time | MFU | peak memory | "
-        "loss at last step | status |",
+        f"loss at step {s['window'][1]} | status |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in report["results"]:

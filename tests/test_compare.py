@@ -67,6 +67,11 @@ def test_summary_math():
     short = compare.summarize(compare.parse_step_lines(ours_log(4)), tokens_per_step=16384)
     assert short["window"] == [2, 4] and short["window_note"] == "window 6-20 not reached"
     assert compare.summarize({}, 16384) == {"steps_logged": 0}
+    # Steps after the window (profiled ones) move neither the means nor the reported loss.
+    steps = compare.parse_step_lines(titan_log())
+    steps[24] = {**steps[20], "loss": 1.0, "tps": 1.0}
+    longer = compare.summarize(steps, tokens_per_step=16384)
+    assert (longer["final_step"], longer["final_loss"], longer["tokens_per_s"]) == (20, s["final_loss"], s["tokens_per_s"])
 
 
 def test_ratios_against_upstream_best():
@@ -272,7 +277,8 @@ def test_several_gpus_run_under_torchrun_with_ep(tmp_path):
 
 
 def test_profile_runs_after_the_window_and_breakdowns(tmp_path):
-    """--profile: both trainers profile steps after --steps (the timed window is untouched); the
+    """--profile: both trainers profile steps after --steps (the timed window is untouched), both
+    run the same number of steps (equal cosine schedules); the
     trace of each run becomes <out>/breakdown/<run>.md/.json and a column of breakdown.md, and is
     removed so the next run cannot read it."""
     from components.config import parse_args
@@ -283,11 +289,11 @@ def test_profile_runs_after_the_window_and_breakdowns(tmp_path):
     runs = {r.name: r for r in compare.plan(setting, toml_path=tmp_path / "t.toml", data_dir=data_dir)}
     cfg = parse_args(runs["ours_mega"].cmd[2:])
     assert (cfg.training.steps, cfg.profiling.enable_profiling, cfg.profiling.profile_start_step,
-            cfg.profiling.profile_steps) == (22, True, 21, 2)
+            cfg.profiling.profile_steps) == (24, True, 23, 2)
     titan = runs["titan_bf16"].cmd
     assert titan[-5:] == ["--training.steps", "24", "--profiling.enable_profiling", "--profiling.profile_freq", "24"]
 
-    trace_dir = tmp_path / "ours" / "profile_traces" / "step-21-22"
+    trace_dir = tmp_path / "ours" / "profile_traces" / "step-23-24"
     trace_dir.mkdir(parents=True)
     (trace_dir / "rank0_trace.json").write_text(json.dumps(_trace()))
     entry = compare.profile_breakdown(setting, runs["ours_mega"], tmp_path)
