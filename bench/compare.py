@@ -61,6 +61,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -622,7 +623,7 @@ def bar_chart(report: dict[str, Any], path: Path) -> str:
     if not rows:
         return "no measured runs, no chart"
     title = (f"Qwen3 {report['setting']['titan_flavor']}, seq {report['setting']['seq_len']}, "
-             f"{report['environment'].get('gpu', '')}: tokens/s per GPU")
+             f"{report['environment'].get('gpu', '')}:\ntokens/s per GPU")
     colors = {"torchtitan": (128, 128, 128), "ours": (31, 119, 180)}
     try:
         import matplotlib
@@ -633,7 +634,8 @@ def bar_chart(report: dict[str, Any], path: Path) -> str:
         fig, ax = plt.subplots(figsize=(9, 0.6 * len(rows) + 1.5))
         y = list(range(len(rows)))[::-1]
         ax.barh(y, [v for _, v, _ in rows], color=[tuple(c / 255 for c in colors[t]) for *_, t in rows])
-        ax.set_yticks(y, [label.replace("`", "") for label, *_ in rows])
+        # Variant labels carry their arguments: wrapped, so tight_layout can fit them and the title.
+        ax.set_yticks(y, [textwrap.fill(label.replace("`", ""), 44) for label, *_ in rows])
         for yi, (_, v, _) in zip(y, rows):
             ax.text(v, yi, f" {v:,.0f}", va="center")
         ax.set_xlabel("tokens/s per GPU (mean of steps 6-20)")
