@@ -24,10 +24,18 @@ scales fp32 of shapes (M, 1) and (1, N), bf16 output. :func:`scaled_mm_rowwise` 
 (the token count in wgrad) to a multiple of 16; the features of a converted linear must be
 multiples of 16 already (``components/float8.py`` checks).
 
-Plain torch ops in a ``torch.autograd.Function`` rather than a ``torch.library`` custom op, on
-purpose: every op has a meta kernel, so dynamo traces forward and backward into the graph
-(``fullgraph=True`` holds), and inductor fuses each quantization (amax, scale, cast) into one
-pass next to its neighbours; inside an opaque custom op they would run as separate eager kernels.
+The forward is plain torch ops in a ``torch.autograd.Function``: dynamo traces it into the
+graph and inductor fuses each quantization (amax, scale, cast) into one pass next to its
+neighbours. The backward's two GEMMs run inside one ``torch.library`` custom op, opaque to
+inductor, with their quantizations as separate eager kernels: traced and compiled by inductor on
+CUDA (torch 2.11, H200), they came out wrong — dx and dW at relative error 1.0 against float64 while
+eager gave 3.8% and the compiled forward was right (BENCHMARKS Run 15; Run 14's training went
+wrong with it). Which lowering is at fault was not isolated (the CPU's inductor is right). A lead:
+``kernels/grouped_mm_fp8.py`` quantizes the same way, transposed operands included, and its
+compiled backward was right on the GPU (Run 9), but it calls ``_scaled_grouped_mm`` with fast
+accumulation where this backward calls ``_scaled_mm`` without. The opaque op runs the same code as
+eager, the path verified on the GPU; the compiled op has not yet run there (``pytest
+tests/test_float8_linear.py -k cuda`` checks it).
 """
 
 from __future__ import annotations
@@ -85,6 +93,23 @@ def scaled_mm_rowwise(a_MK: torch.Tensor, b_NK: torch.Tensor, use_fast_accum: bo
                             use_fast_accum=use_fast_accum)
 
 
+@torch.library.custom_op("fp8_rowwise::linear_backward", mutates_args=())
+def _linear_backward(dy_MN: torch.Tensor, x_MK: torch.Tensor, w_NK: torch.Tensor, need_dx: bool,
+                     need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """dx = dy W and dW = dy^T x in FP8 (each an empty tensor when not needed), in x's and W's dtypes."""
+    dx_MK = (scaled_mm_rowwise(dy_MN, w_NK.t(), FAST_ACCUM_BACKWARD).to(x_MK.dtype) if need_dx
+             else x_MK.new_empty(0))
+    dw_NK = (scaled_mm_rowwise(dy_MN.t(), x_MK.t(), FAST_ACCUM_BACKWARD).to(w_NK.dtype) if need_dw
+             else w_NK.new_empty(0))
+    return dx_MK, dw_NK
+
+
+@_linear_backward.register_fake
+def _(dy_MN, x_MK, w_NK, need_dx, need_dw):
+    return (x_MK.new_empty(x_MK.shape) if need_dx else x_MK.new_empty(0),
+            w_NK.new_empty(w_NK.shape) if need_dw else w_NK.new_empty(0))
+
+
 class _Float8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK: torch.Tensor, w_NK: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -94,12 +119,9 @@ class _Float8LinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_MN: torch.Tensor):
         x_MK, w_NK = ctx.saved_tensors
-        dx_MK = dw_NK = None
-        if ctx.needs_input_grad[0]:
-            dx_MK = scaled_mm_rowwise(dy_MN, w_NK.t(), FAST_ACCUM_BACKWARD).to(x_MK.dtype)
-        if ctx.needs_input_grad[1]:
-            dw_NK = scaled_mm_rowwise(dy_MN.t(), x_MK.t(), FAST_ACCUM_BACKWARD).to(w_NK.dtype)
-        return dx_MK, dw_NK, None
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dx_MK, dw_NK = _linear_backward(dy_MN, x_MK, w_NK, need_dx, need_dw)
+        return dx_MK if need_dx else None, dw_NK if need_dw else None, None
 
 
 def fp8_linear(x: torch.Tensor, weight_NK: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:

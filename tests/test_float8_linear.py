@@ -115,7 +115,10 @@ class TinyBlock(nn.Module):
         return self.down(torch.relu(self.up(x)))
 
 
-def test_compiles_fullgraph_and_matches_eager():
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiles_fullgraph_and_matches_eager(backend):
+    """Compiled without graph breaks, and the same gradients as eager: the backward's GEMMs are an
+    opaque custom op (inductor on CUDA got them wrong when it compiled them, BENCHMARKS Run 15)."""
     torch.manual_seed(4)
     block = TinyBlock()
     x = torch.randn(2, 24, 32, requires_grad=True)
@@ -126,11 +129,16 @@ def test_compiles_fullgraph_and_matches_eager():
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
-    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(block, backend=backend, fullgraph=True)
     compiled(x).square().sum().backward()
     assert not counters["graph_break"], dict(counters["graph_break"])
     for want, t in zip(eager, (x, *block.parameters())):
-        torch.testing.assert_close(t.grad, want, rtol=0, atol=0)
+        if backend == "aot_eager":
+            torch.testing.assert_close(t.grad, want, rtol=0, atol=0)
+        else:
+            # Inductor rounds the forward's float32 work differently and the FP8 quantization of
+            # dy amplifies it (measured ~3%); the compiled gradients Run 15 caught were off by 100%.
+            assert rel(t.grad, want) < 0.06, (t.shape, rel(t.grad, want))
 
 
 def debug_model(n_layers=2, **overrides):
