@@ -25,7 +25,7 @@ from components.dataloader import DataError, build_dataloader
 from components.loss import build_loss_fn
 from components.float8 import convert_to_float8
 from components.metrics import MetricsLogger, flops_per_token
-from components.optimizer import build_lr_scheduler, build_optimizer
+from components.optimizer import build_lr_scheduler, build_optimizer, folds_grad_scale
 from components.profiling import StepProfiler
 from components.tokenizer import TokenizerError, build_tokenizer
 from kernels import available_moe_backends, resolve_moe_backend
@@ -216,9 +216,10 @@ class Trainer:
         if self.parallel_dims.ep_enabled:
             finish_expert_grads(self.model, self.parallel_dims.mesh, self.parallel_dims.dp_size)
         max_norm = cfg.training.max_norm if cfg.training.max_norm > 0 else math.inf
-        # Fused AdamW clips inside its kernel (grad_scale divides each gradient as it is read): no
-        # separate pass multiplying every gradient in place (2 x 4 bytes per parameter).
-        fold = bool(self.optimizer.defaults.get("fused")) and max_norm != math.inf
+        # Fused AdamW (and TritonAdamW) clip inside their kernels (grad_scale divides each gradient
+        # as it is read): no separate pass multiplying every gradient in place (2 x 4 bytes per
+        # parameter). torch's fused kernel then writes the divided gradient back (4 bytes); Triton's does not.
+        fold = folds_grad_scale(self.optimizer) and max_norm != math.inf
         total_norm = clip_grad_norm_(params, max_norm, foreach=self.device.type == "cuda", apply=not fold)
         if fold:
             self.optimizer.grad_scale = clip_scale(total_norm, max_norm)

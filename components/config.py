@@ -102,7 +102,8 @@ class Optimizer:
     beta2: float = _field(0.95, "Adam beta2", ge=0, le=1)
     eps: float = _field(1e-8, "Adam epsilon", gt=0)
     weight_decay: float = _field(0.1, "decoupled weight decay (not applied to norms, biases or embeddings)", ge=0)
-    implementation: str = _field("auto", "auto: fused on GPU, foreach on CPU", choices=("auto", "fused", "foreach", "for-loop"))
+    implementation: str = _field("auto", "auto: fused on GPU, foreach on CPU; triton: one Triton pass per parameter "
+                                 "(single process, kernels/adamw.py)", choices=("auto", "fused", "foreach", "for-loop", "triton"))
 
 
 @dataclass

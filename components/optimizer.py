@@ -7,8 +7,15 @@ import math
 import torch
 import torch.nn as nn
 
+from components.config import ConfigError
 from components.config import LRScheduler as LRSchedulerConfig
 from components.config import Optimizer as OptimizerConfig
+
+
+def folds_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer divides gradients by its ``grad_scale`` inside its step (torch's fused
+    AdamW, :class:`kernels.adamw.TritonAdamW`), so clipping can be folded into it."""
+    return bool(optimizer.defaults.get("fused")) or getattr(optimizer, "folds_grad_scale", False)
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device_type: str) -> torch.optim.Optimizer:
@@ -21,10 +28,17 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device_type: str) ->
     impl = cfg.implementation
     if impl == "auto":
         impl = "fused" if device_type == "cuda" else "foreach"
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if impl == "triton":
+        from kernels.adamw import TritonAdamW, _interpreting
+
+        if device_type != "cuda" and not _interpreting():
+            raise ConfigError(f"[optimizer] implementation = \"triton\" runs on a CUDA GPU (the device is "
+                              f"{device_type}); use \"foreach\" or \"auto\"")
+        return TritonAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     kwargs = {"fused": impl == "fused", "foreach": impl == "foreach"}
     return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kwargs)
+        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kwargs)
 
 
 def lr_factor(step: int, total_steps: int, cfg: LRSchedulerConfig) -> float:

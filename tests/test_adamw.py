@@ -1,0 +1,156 @@
+"""kernels/adamw.py: the Triton AdamW step against torch's AdamW (CPU interpreter, or the GPU),
+its optimizer's state dict against torch's, and the trainer with ``implementation = "triton"``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from kernels.adamw import TritonAdamW, _adamw_kernel, adamw_step_
+from tests.triton_interpreter import DEVICE, skip_unless_runnable
+
+skip_unless_runnable(_adamw_kernel, "kernels.adamw")
+
+# Sizes: one element, a partial last block, several blocks, a matrix.
+SHAPES = [(1,), (4097,), (3, 5000), (64, 129)]
+
+
+def make_params(seed: int, device: str = DEVICE) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in SHAPES]
+
+
+def set_grads(params, seed: int, scale: float = 1.0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for p in params:
+        # Gradients of mixed sizes, some rows tiny, as a deep model's are.
+        g = torch.randn(p.shape, generator=gen) * scale * torch.logspace(-6, 0, p.numel()).view(p.shape)
+        p.grad = g.to(p.device)
+
+
+def run(opt_cls, steps: int, grad_scale: float | None = None, **kw):
+    params = make_params(0)
+    groups = [{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:], "weight_decay": 0.0}]
+    opt = opt_cls(groups, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, **kw)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: (i + 1) / steps)  # the lr changes every step
+    for step in range(steps):
+        set_grads(params, 100 + step, scale=2.0 if grad_scale else 1.0)
+        if grad_scale is not None:
+            opt.grad_scale = torch.tensor(grad_scale, device=DEVICE)
+        opt.step()
+        sched.step()
+    return params, opt
+
+
+def torch_adamw(groups, **kw):
+    return torch.optim.AdamW(groups, foreach=False, **kw)
+
+
+def test_matches_torch_adamw():
+    got, _ = run(TritonAdamW, 4)
+    want, _ = run(torch_adamw, 4)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=2e-6, atol=2e-7)
+
+
+def test_bf16_gradient_is_its_float32_value():
+    gen = torch.Generator().manual_seed(3)
+    p = torch.randn(5000, generator=gen).to(DEVICE)
+    g = torch.randn(5000, generator=gen).to(DEVICE, torch.bfloat16)
+    states = [(p.clone(), torch.full_like(p, 0.1), torch.full_like(p, 0.2)) for _ in range(2)]
+    kw = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=3)
+    adamw_step_(states[0][0], g, *states[0][1:], **kw)
+    adamw_step_(states[1][0], g.float(), *states[1][1:], **kw)
+    assert all(torch.equal(a, b) for a, b in zip(*states))
+
+
+def test_grad_scale_divides_gradients_and_leaves_them_unwritten():
+    """grad_scale = 2 with doubled gradients is the plain step; the gradients are not rewritten
+    (torch's fused kernel stores the divided gradient back; this one does not need to)."""
+    got, opt = run(TritonAdamW, 3, grad_scale=2.0)
+    want, _ = run(torch_adamw, 3)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=2e-6, atol=2e-7)
+    params = make_params(0)
+    set_grads(params, 7)
+    before = [p.grad.clone() for p in params]
+    opt = TritonAdamW(params, lr=1e-3)
+    opt.grad_scale = torch.tensor(4.0, device=DEVICE)
+    opt.step()
+    assert all(torch.equal(p.grad, b) for p, b in zip(params, before))
+
+
+def test_state_dict_moves_between_torch_and_triton():
+    """Two steps with TritonAdamW, its state loaded into torch's AdamW (and back), one more step
+    each: the same parameters (checkpoints move between the implementations)."""
+    params_a, opt_a = run(TritonAdamW, 2)
+    params_b = [torch.nn.Parameter(p.detach().clone()) for p in params_a]
+    groups = [{"params": params_b[:2], "weight_decay": 0.1}, {"params": params_b[2:], "weight_decay": 0.0}]
+    opt_b = torch_adamw(groups, lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
+    opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))  # state_dict() shares the step tensors
+    for params, opt in ((params_a, opt_a), (params_b, opt_b)):
+        set_grads(params, 50)
+        opt.step()
+    for a, b in zip(params_a, params_b):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-7)
+    # torch -> Triton (on a GPU, a fused AdamW checkpoint holds device step counts: moved to the CPU once).
+    opt_c = TritonAdamW([{"params": params_a[:2], "weight_decay": 0.1}, {"params": params_a[2:], "weight_decay": 0.0}],
+                        lr=3e-3, betas=(0.9, 0.95))
+    state = copy.deepcopy(opt_b.state_dict())
+    opt_c.load_state_dict(state)
+    set_grads(params_a, 51)
+    set_grads(params_b, 51)
+    opt_c.step()
+    opt_b.step()
+    assert all(opt_c.state[p]["step"].item() == 4 for p in params_a)
+    for a, b in zip(params_a, params_b):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-7)
+
+
+def test_clear_errors():
+    p = torch.zeros(10, device=DEVICE)
+    m, v = torch.zeros_like(p), torch.zeros_like(p)
+    kw = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0)
+    with pytest.raises(ValueError, match="step counts from 1"):
+        adamw_step_(p, p.clone(), m, v, step=0, **kw)
+    with pytest.raises(TypeError, match="param must be float32"):
+        adamw_step_(p.bfloat16(), p.clone(), m, v, step=1, **kw)
+    with pytest.raises(ValueError, match="contiguous"):
+        adamw_step_(p, torch.zeros(20, device=DEVICE)[::2], m, v, step=1, **kw)
+    with pytest.raises(ValueError, match="grad_scale must be one float32"):
+        adamw_step_(p, p.clone(), m, v, step=1, grad_scale=torch.ones(2, device=DEVICE), **kw)
+    with pytest.raises(TypeError, match="contiguous float32 parameters"):
+        TritonAdamW([torch.nn.Parameter(torch.zeros(4, 4, device=DEVICE).t())])
+    opt = TritonAdamW([torch.nn.Parameter(torch.zeros(4, device=DEVICE))])
+    opt.found_inf = torch.zeros(1)
+    with pytest.raises(NotImplementedError, match="found_inf"):
+        opt.step()
+
+
+def test_trainer_with_triton_adamw(tmp_path):
+    """train.py's step with implementation = "triton" (clipping folded into it) follows foreach's
+    (clipping in place) on the debug model."""
+    from tests.test_train import make_trainer, run_losses
+
+    def losses(impl):
+        trainer = make_trainer(tmp_path, "--optimizer.implementation", impl, "--training.steps", "3",
+                               "--model.n_layers", "1", "--training.max_norm", "0.5")
+        out = run_losses(trainer)
+        return out, trainer.optimizer
+
+    want, _ = losses("foreach")
+    got, opt = losses("triton")
+    assert isinstance(opt, TritonAdamW) and opt.grad_scale is not None  # the clip was folded
+    assert got == pytest.approx(want, rel=1e-4)
+
+
+def test_optimizer_benchmark_runs():
+    """bench/optimizer.py end to end on the debug model (CPU: interpreter, wall clock): every
+    implementation steps and the Triton one agrees with fused AdamW's first step."""
+    from bench import optimizer
+
+    rows = optimizer.main(["--model", "debug", "--layers", "1", "--iters", "1", "--device", DEVICE,
+                           "--timer", "cuda" if DEVICE == "cuda" else "wall"])
+    assert {"triton", "triton+scale", "foreach"} <= {name for name, *_ in rows}
