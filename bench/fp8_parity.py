@@ -62,16 +62,23 @@ def end_loss(losses: dict[int, float], fraction: float = 0.1) -> float:
 
 def compare_curves(curves: dict[str, dict[int, float]], reference: str = "bf16") -> dict[str, dict[str, Any]]:
     """Per run: its end loss and, for runs other than ``reference``, the relative difference and
-    whether it is within ``TOLERANCE``."""
-    ref = end_loss(curves[reference]) if curves.get(reference) else None
+    whether it is within ``TOLERANCE``. A run that stopped early (a time limit) is compared with the
+    reference over the steps both logged, and its row says so."""
+    ref_curve = curves.get(reference) or {}
     out: dict[str, dict[str, Any]] = {}
     for name, losses in curves.items():
         if not losses:
             out[name] = {"end_loss": None, "status": "no steps logged"}
             continue
         row: dict[str, Any] = {"end_loss": end_loss(losses), "steps": max(losses)}
-        if name != reference and ref is not None:
-            rel = (row["end_loss"] - ref) / ref
+        if name != reference and ref_curve:
+            last = min(max(losses), max(ref_curve))
+            if last < max(ref_curve):
+                row["status"] = f"stopped at step {max(losses)}: compared over steps 1-{last}"
+            mine = end_loss({s: v for s, v in losses.items() if s <= last})
+            ref = end_loss({s: v for s, v in ref_curve.items() if s <= last})
+            row["end_loss"] = mine
+            rel = (mine - ref) / ref
             row.update(rel_diff=rel, within=abs(rel) <= TOLERANCE)
         out[name] = row
     return out
@@ -86,6 +93,8 @@ def markdown(report: dict[str, Any]) -> str:
             continue
         rel = f"{row['rel_diff']:+.2%}" if "rel_diff" in row else "reference"
         within = {True: "yes", False: "**no**"}.get(row.get("within"), "")
+        if row.get("status"):
+            within += f" ({row['status']})"
         lines.append(f"| {name} | {row['steps']} | {row['end_loss']:.4f} | {rel} | {within} |")
     return "\n".join(lines) + "\n"
 
@@ -131,6 +140,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600, help="seconds per run")
     p.add_argument("--out", type=Path, default=ROOT / "outputs" / "fp8_parity")
     p.add_argument("--ours-args", default="", help="extra arguments for every run, one string (last wins)")
+    p.add_argument("--reuse", action="store_true", help="keep a run whose log in --out already holds all its "
+                   "steps from the same command (to spread the runs over several calls)")
     args = p.parse_args(argv)
     names = [n for n in args.runs.split(",") if n]
     if unknown := set(names) - set(RUNS):
@@ -139,6 +150,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--runs must include bf16, the reference curve")
     args.run_names = names
     return args
+
+
+def write_report(args: argparse.Namespace, argv: list[str], out: Path, curves: dict[str, dict[int, float]],
+                 commands: dict[str, str]) -> dict[str, Any]:
+    """parity.json, parity.md and parity.png from the curves so far; returns the report."""
+    report = {
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": "python -m bench.fp8_parity " + shlex.join(argv),
+        "setting": f"{args.model}, {args.layers} layers, seq len {args.seq_len}, {args.steps} steps, seed 0",
+        "commands": commands, "curves": {k: {str(s): v for s, v in c.items()} for k, c in curves.items()},
+        "comparison": compare_curves(curves),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "parity.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    (out / "parity.md").write_text(markdown(report), encoding="utf-8")
+    report["chart"] = loss_chart(curves, out / "parity.png", f"FP8 vs bf16: {report['setting']}")
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,28 +182,26 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     curves: dict[str, dict[int, float]] = {}
     commands: dict[str, str] = {}
+    report: dict[str, Any] = {}
     for name in args.run_names:
         base, extra = RUNS[name]
         cmd = by_name[base].cmd + extra + shlex.split(args.ours_args)
         commands[name] = display(cmd)
         log_path = out / "logs" / f"{name}.log"
-        info = run_one(Run(name, name, "ours", "fp8" if "fp8" in name else "bf16", cmd), log_path, args.timeout, env)
-        text = log_path.read_text(encoding="utf-8", errors="replace")
-        curves[name] = {s: v["loss"] for s, v in parse_step_lines(text).items() if "loss" in v}
-        print(f"[{name}] rc {info['returncode']}{' (timed out)' if info['timed_out'] else ''}, "
-              f"{len(curves[name])} steps logged, {info['wall_s']} s", flush=True)
-    report = {
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": "python -m bench.fp8_parity " + shlex.join(argv),
-        "setting": f"{args.model}, {args.layers} layers, seq len {args.seq_len}, {args.steps} steps, seed 0",
-        "commands": commands, "curves": {k: {str(s): v for s, v in c.items()} for k, c in curves.items()},
-        "comparison": compare_curves(curves),
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "parity.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
-    (out / "parity.md").write_text(markdown(report), encoding="utf-8")
-    how = loss_chart(curves, out / "parity.png", f"FP8 vs bf16: {report['setting']}")
-    print(markdown(report) + f"chart: {how}", flush=True)
+        text = log_path.read_text(encoding="utf-8", errors="replace") if log_path.is_file() else ""
+        losses = {s: v["loss"] for s, v in parse_step_lines(text).items() if "loss" in v}
+        if args.reuse and text.startswith("$ " + shlex.join(cmd)) and max(losses, default=0) >= args.steps:
+            curves[name] = losses
+            print(f"[{name}] reused {log_path}: {len(losses)} steps", flush=True)
+        else:
+            info = run_one(Run(name, name, "ours", "fp8" if "fp8" in name else "bf16", cmd), log_path, args.timeout, env)
+            text = log_path.read_text(encoding="utf-8", errors="replace")
+            curves[name] = {s: v["loss"] for s, v in parse_step_lines(text).items() if "loss" in v}
+            print(f"[{name}] rc {info['returncode']}{' (timed out)' if info['timed_out'] else ''}, "
+                  f"{len(curves[name])} steps logged, {info['wall_s']} s", flush=True)
+        # The report after every run: a call cut short by its time limit still leaves one.
+        report = write_report(args, argv, out, curves, commands)
+    print(markdown(report) + f"chart: {report['chart']}", flush=True)
     failed = [n for n, row in report["comparison"].items() if row.get("within") is False or row.get("end_loss") is None]
     return 1 if failed else 0
 

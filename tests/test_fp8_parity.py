@@ -21,6 +21,33 @@ def test_end_loss_and_comparison():
     assert cmp["mega_fp8_all"]["end_loss"] is None  # a run that logged nothing is reported, not compared
     table = P.markdown({"command": "c", "date": "d", "setting": "s", "comparison": cmp})
     assert "| gmm_fp8 | 100 |" in table and "**no**" in table and "no steps logged" in table
+    # A run cut short is compared over the steps both curves have, and says so.
+    short = P.compare_curves({"bf16": bf16, "mega_fp8": {s: v for s, v in close.items() if s <= 60}})
+    assert short["mega_fp8"]["rel_diff"] == pytest.approx(0.005) and short["mega_fp8"]["steps"] == 60
+    assert "stopped at step 60" in P.markdown({"command": "c", "date": "d", "setting": "s", "comparison": short})
+
+
+def test_reuse_keeps_complete_runs(tmp_path, monkeypatch):
+    """--reuse: a log holding all the steps of the same command is read, not rerun; the report is
+    written after every run."""
+    ran = []
+
+    def fake_run_one(run, log_path, timeout, env):
+        ran.append(run.name)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        lines = [f"step: {s:5d}  loss: {5.0 - s / 10:8.4f}  tps: 100" for s in range(1, 4)]
+        log_path.write_text("$ " + " ".join(run.cmd) + "\n" + "\n".join(lines) + "\n")
+        return {"returncode": 0, "timed_out": False, "wall_s": 0.0}
+
+    monkeypatch.setattr(P, "run_one", fake_run_one)
+    monkeypatch.setattr(P, "display", lambda cmd: " ".join(cmd))
+    monkeypatch.setattr(P.shlex, "join", lambda cmd: " ".join(cmd))
+    args = ["--runs", "bf16,mega_fp8", "--steps", "3", "--out", str(tmp_path)]
+    assert P.main(args) == 0 and ran == ["bf16", "mega_fp8"]
+    assert P.main(args + ["--reuse"]) == 0 and ran == ["bf16", "mega_fp8"]  # nothing rerun
+    (tmp_path / "logs" / "mega_fp8.log").write_text("$ other command\n")
+    assert P.main(args + ["--reuse"]) == 0 and ran == ["bf16", "mega_fp8", "mega_fp8"]
+    assert json.loads((tmp_path / "parity.json").read_text())["comparison"]["mega_fp8"]["within"] is True
 
 
 def test_bad_arguments():
