@@ -13,8 +13,9 @@ from tests.triton_interpreter import DEVICE, skip_unless_runnable
 
 skip_unless_runnable(_adamw_kernel, "kernels.adamw")
 
-# Sizes: one element, a partial last block, several blocks, a matrix.
-SHAPES = [(1,), (4097,), (3, 5000), (64, 129)]
+# Sizes: one element, partial last blocks, several blocks (of the GPU's 4096 and the interpreter's
+# 65536 elements), matrices.
+SHAPES = [(1,), (4097,), (3, 5000), (64, 129), (2, 40000)]
 
 
 def make_params(seed: int, device: str = DEVICE) -> list[torch.nn.Parameter]:

@@ -28,9 +28,11 @@ def run_main(capsys, *args) -> tuple[int, str]:
     return rc, captured.out + captured.err
 
 
-@pytest.mark.parametrize("async_mode", ["disabled", "async"])
-def test_resumed_run_logs_the_same_losses(tmp_path, capsys, monkeypatch, async_mode):
-    """6 steps straight vs a run killed during step 5 (after its step-3 checkpoint) and resumed."""
+@pytest.mark.parametrize("async_mode,optimizer", [("disabled", "auto"), ("async", "auto"), ("disabled", "triton")])
+def test_resumed_run_logs_the_same_losses(tmp_path, capsys, monkeypatch, async_mode, optimizer):
+    """6 steps straight vs a run killed during step 5 (after its step-3 checkpoint) and resumed;
+    also with the Triton AdamW (kernels/adamw.py; the interpreter on CPU), whose state goes
+    through DCP as torch's AdamW's does."""
     exact: dict[str, list[float]] = {"straight": [], "resumed": []}
     real_step = Trainer.train_step
     run = ["straight"]
@@ -44,7 +46,8 @@ def test_resumed_run_logs_the_same_losses(tmp_path, capsys, monkeypatch, async_m
         return out
 
     monkeypatch.setattr(Trainer, "train_step", recording_step)
-    common = ["--checkpoint.enable", "--checkpoint.interval", "3", "--checkpoint.async_mode", async_mode]
+    common = ["--checkpoint.enable", "--checkpoint.interval", "3", "--checkpoint.async_mode", async_mode,
+              "--optimizer.implementation", optimizer] + (["--model.n_layers", "1"] if optimizer == "triton" else [])
     rc, straight = run_main(capsys, "--job.dump_folder", str(tmp_path / "a"), *common)
     assert rc == 0, straight
     run[0] = "killed"
