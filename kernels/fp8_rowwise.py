@@ -53,6 +53,13 @@ ALIGN = 16  # _scaled_mm's (and _scaled_grouped_mm's) dimension multiple on CUDA
 FAST_ACCUM_FORWARD = True
 FAST_ACCUM_BACKWARD = False
 
+# How the backward's GEMMs reach the compiler (read when a graph is traced), for the diagnosis of
+# BENCHMARKS Run 15 (bench/fp8_linear.py times and checks all three): "opaque" (the default: both
+# GEMMs and their quantizations in one custom op, eager inside), "opaque_mm" (quantizations traced
+# and fused by inductor, each _scaled_mm call behind a custom op), "traced" (everything traced:
+# what gave wrong gradients on CUDA in Run 15).
+BACKWARD_MODE = "opaque"
+
 
 def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     """fp32 scales ``max(amax, eps) / 448`` rounded up to a power of two, on the bits: adding
@@ -76,14 +83,21 @@ def pad_last_dim(x: torch.Tensor, multiple: int = ALIGN) -> torch.Tensor:
     return F.pad(x, (0, pad)) if pad else x
 
 
-def scaled_mm_rowwise(a_MK: torch.Tensor, b_NK: torch.Tensor, use_fast_accum: bool) -> torch.Tensor:
-    """``a @ b^T`` in FP8, both operands quantized rowwise over K: (M, K) x (N, K) -> (M, N) bf16.
+@torch.library.custom_op("fp8_rowwise::scaled_mm", mutates_args=())
+def _scaled_mm_opaque(qa: torch.Tensor, qb: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
+                      use_fast_accum: bool) -> torch.Tensor:
+    """The GEMM alone behind a custom op (``BACKWARD_MODE = "opaque_mm"``): inductor still fuses
+    the quantizations around it but cannot lower the ``_scaled_mm`` call itself."""
+    return _scaled_mm(qa, qb, sa, sb, use_fast_accum)
 
-    Any strides and float dtypes in; K is zero-padded to a multiple of 16 (zeros change no amax
-    and add nothing to the product).
-    """
-    qa, sa = quantize_rowwise(pad_last_dim(a_MK))
-    qb, sb = quantize_rowwise(pad_last_dim(b_NK))
+
+@_scaled_mm_opaque.register_fake
+def _(qa, qb, sa, sb, use_fast_accum):
+    return qa.new_empty((qa.shape[0], qb.shape[0]), dtype=torch.bfloat16)
+
+
+def _scaled_mm(qa: torch.Tensor, qb: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
+               use_fast_accum: bool) -> torch.Tensor:
     if not qa.is_cuda:
         # CPU: torch 2.13's _scaled_mm takes rowwise scales there but torch 2.11's only per-tensor
         # ones; with power-of-two scales the dequantized operands are exact, so a float32 GEMM of
@@ -91,6 +105,18 @@ def scaled_mm_rowwise(a_MK: torch.Tensor, b_NK: torch.Tensor, use_fast_accum: bo
         return ((qa.float() * sa) @ (qb.float() * sb).t()).to(torch.bfloat16)
     return torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb.view(1, -1), out_dtype=torch.bfloat16,
                             use_fast_accum=use_fast_accum)
+
+
+def scaled_mm_rowwise(a_MK: torch.Tensor, b_NK: torch.Tensor, use_fast_accum: bool,
+                      opaque_mm: bool = False) -> torch.Tensor:
+    """``a @ b^T`` in FP8, both operands quantized rowwise over K: (M, K) x (N, K) -> (M, N) bf16.
+
+    Any strides and float dtypes in; K is zero-padded to a multiple of 16 (zeros change no amax
+    and add nothing to the product). ``opaque_mm``: the GEMM behind a custom op (see BACKWARD_MODE).
+    """
+    qa, sa = quantize_rowwise(pad_last_dim(a_MK))
+    qb, sb = quantize_rowwise(pad_last_dim(b_NK))
+    return (_scaled_mm_opaque if opaque_mm else _scaled_mm)(qa, qb, sa, sb, use_fast_accum)
 
 
 @torch.library.custom_op("fp8_rowwise::linear_backward", mutates_args=())
@@ -120,7 +146,12 @@ class _Float8LinearFn(torch.autograd.Function):
     def backward(ctx, dy_MN: torch.Tensor):
         x_MK, w_NK = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dx_MK, dw_NK = _linear_backward(dy_MN, x_MK, w_NK, need_dx, need_dw)
+        if BACKWARD_MODE == "opaque":
+            dx_MK, dw_NK = _linear_backward(dy_MN, x_MK, w_NK, need_dx, need_dw)
+        else:  # traced: inductor compiles the quantizations (and, for "traced", the GEMM call too)
+            opaque_mm = BACKWARD_MODE == "opaque_mm"
+            dx_MK = scaled_mm_rowwise(dy_MN, w_NK.t(), FAST_ACCUM_BACKWARD, opaque_mm).to(x_MK.dtype) if need_dx else None
+            dw_NK = scaled_mm_rowwise(dy_MN.t(), x_MK.t(), FAST_ACCUM_BACKWARD, opaque_mm).to(w_NK.dtype) if need_dw else None
         return dx_MK if need_dx else None, dw_NK if need_dw else None, None
 
 
