@@ -16,13 +16,12 @@ is the fast fix. The table says which modes are right and what each costs agains
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
 import kernels.fp8_rowwise as R
-from bench.timing import time_ms
+from bench.timing import time_ms, wall_ms
 
 # (name, in features K, out features N) of a Qwen3-30B-A3B attention block: 32 query heads and 4
 # KV heads of 128 over a 2048-wide residual stream.
@@ -32,14 +31,6 @@ MODES = ("opaque", "opaque_mm", "traced")
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-def wall_ms(fn, iters: int) -> float:
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - t0) * 1e3 / iters
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

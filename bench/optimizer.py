@@ -17,7 +17,7 @@ import argparse
 
 import torch
 
-from bench.timing import time_ms
+from bench.timing import time_ms, wall_ms
 from kernels.adamw import TritonAdamW
 from models.qwen3.args import get_model_args
 from models.qwen3.model import Qwen3MoE
@@ -35,16 +35,6 @@ def make_state(shapes, device: str, seed: int = 0):
     for p in params:
         p.grad = torch.randn(p.shape, device=device, generator=gen) * 1e-3
     return params
-
-
-def wall_ms(fn, iters: int) -> float:
-    import time
-
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - t0) * 1e3 / iters
 
 
 def build(name: str, params) -> torch.optim.Optimizer:

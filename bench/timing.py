@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
@@ -21,3 +22,12 @@ def time_ms(fn, iters: int, warmup: int = 3) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def wall_ms(fn, iters: int) -> float:
+    """Mean wall-clock ms of ``fn`` after one warm-up run: for the CPU smoke runs of benchmarks."""
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) * 1e3 / iters
