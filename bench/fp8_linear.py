@@ -6,8 +6,8 @@ float64 and timed.
     python -m bench.fp8_linear                 # T 16384, the four projections of a 30B-A3B layer
 
 Run 15 found the fully traced backward ("traced") wrong on CUDA under inductor (dx and dW at
-relative error 1.0); "opaque" (the default since) runs the eager code in a custom op, correct by
-construction but with unfused quantizations; "opaque_mm" keeps the quantizations traced and only
+relative error 1.0); "opaque" (the default since) runs the GEMMs in a custom op with a Triton
+quantizer (two reads and a byte written per element, not fused with neighbours); "opaque_mm" keeps the quantizations traced and only
 the GEMM calls opaque: if it is right, the fault was inductor's handling of ``_scaled_mm`` and it
 is the fast fix. The table says which modes are right and what each costs against bf16.
 ``--device cpu --timer wall --tokens 64 --only wk`` runs it tiny on CPU (the tests).

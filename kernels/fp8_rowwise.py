@@ -27,21 +27,28 @@ multiples of 16 already (``components/float8.py`` checks).
 The forward is plain torch ops in a ``torch.autograd.Function``: dynamo traces it into the
 graph and inductor fuses each quantization (amax, scale, cast) into one pass next to its
 neighbours. The backward's two GEMMs run inside one ``torch.library`` custom op, opaque to
-inductor, with their quantizations as separate eager kernels: traced and compiled by inductor on
+inductor, with their quantizations done by :func:`quantize_rowwise_fast` (a row amax, then one
+Triton pass; bit for bit :func:`quantize_rowwise`): traced and compiled by inductor on
 CUDA (torch 2.11, H200), they came out wrong — dx and dW at relative error 1.0 against float64 while
 eager gave 3.8% and the compiled forward was right (BENCHMARKS Run 15; Run 14's training went
 wrong with it). Which lowering is at fault was not isolated (the CPU's inductor is right). A lead:
 ``kernels/grouped_mm_fp8.py`` quantizes the same way, transposed operands included, and its
 compiled backward was right on the GPU (Run 9), but it calls ``_scaled_grouped_mm`` with fast
-accumulation where this backward calls ``_scaled_mm`` without. The opaque op runs the same code as
-eager, the path verified on the GPU; the compiled op has not yet run there (``pytest
-tests/test_float8_linear.py -k cuda`` checks it).
+accumulation where this backward calls ``_scaled_mm`` without. The opaque op calls ``_scaled_mm``
+as eager does (the path verified on the GPU) on operands bitwise equal to eager's (checked under
+the interpreter); it has not yet run on the GPU (``pytest tests/test_float8_linear.py -k cuda``).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.fp8.quant import quantize_tile, to_e4m3_bits
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -55,10 +62,14 @@ FAST_ACCUM_BACKWARD = False
 
 # How the backward's GEMMs reach the compiler (read when a graph is traced), for the diagnosis of
 # BENCHMARKS Run 15 (bench/fp8_linear.py times and checks all three): "opaque" (the default: both
-# GEMMs and their quantizations in one custom op, eager inside), "opaque_mm" (quantizations traced
+# GEMMs and their quantizations in one custom op, not compiled), "opaque_mm" (quantizations traced
 # and fused by inductor, each _scaled_mm call behind a custom op), "traced" (everything traced:
 # what gave wrong gradients on CUDA in Run 15).
 BACKWARD_MODE = "opaque"
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
@@ -75,6 +86,44 @@ def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = scale_from_amax(x32.abs().amax(dim=-1, keepdim=True))
     q = (x32 / s).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return q.contiguous(), s
+
+
+@triton.jit
+def _apply_row_scales_kernel(x_ptr, s_ptr, q_ptr, R, C, stride_r, stride_c, SOFT: tl.constexpr,
+                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """q[r, c] = e4m3(clamp(x[r, c] / s[r])) for a (R, C) view of any strides; q contiguous."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_c, mask=mask,
+                other=0.0).to(tl.float32)
+    scale = tl.load(s_ptr + rows, mask=rows < R, other=1.0)
+    bits = to_e4m3_bits(quantize_tile(x, scale[:, None]), SOFT)
+    tl.store(q_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], bits, mask=mask)
+
+
+def quantize_rowwise_fast(x: torch.Tensor, use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_rowwise` of a 2-D view of any strides, bit for bit, in two reads and one
+    byte written per element (the row amax by ``torch.linalg.vector_norm``, then one Triton pass)
+    instead of the ~40 bytes of eager torch ops. Used where inductor does not fuse the quantization
+    (the backward's opaque custom op). ``use_triton``: default on CUDA tensors only; elsewhere this
+    is :func:`quantize_rowwise` (the same bytes; the interpreter would be slow in the CPU tests,
+    which run the kernel through ``use_triton=True``)."""
+    if use_triton is None:
+        use_triton = x.is_cuda
+    if x.dim() != 2 or not use_triton:
+        return quantize_rowwise(x)
+    R, C = x.shape
+    amax = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True).float()  # exact in x's dtype
+    s = scale_from_amax(amax)
+    q = torch.empty((R, C), device=x.device, dtype=E4M3)
+    if R and C:
+        # The interpreter pays per program: one large block there keeps the CPU tests quick.
+        block_r, block_c = (256, 1024) if _interpreting() else (32, 128)
+        _apply_row_scales_kernel[(triton.cdiv(R, block_r), triton.cdiv(C, block_c))](
+            x, s, q.view(torch.uint8), R, C, x.stride(0), x.stride(1), SOFT=_interpreting(),
+            BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+    return q, s
 
 
 def pad_last_dim(x: torch.Tensor, multiple: int = ALIGN) -> torch.Tensor:
@@ -108,14 +157,15 @@ def _scaled_mm(qa: torch.Tensor, qb: torch.Tensor, sa: torch.Tensor, sb: torch.T
 
 
 def scaled_mm_rowwise(a_MK: torch.Tensor, b_NK: torch.Tensor, use_fast_accum: bool,
-                      opaque_mm: bool = False) -> torch.Tensor:
+                      opaque_mm: bool = False, quantize=quantize_rowwise) -> torch.Tensor:
     """``a @ b^T`` in FP8, both operands quantized rowwise over K: (M, K) x (N, K) -> (M, N) bf16.
 
     Any strides and float dtypes in; K is zero-padded to a multiple of 16 (zeros change no amax
     and add nothing to the product). ``opaque_mm``: the GEMM behind a custom op (see BACKWARD_MODE).
+    ``quantize``: :func:`quantize_rowwise` (traced: inductor fuses it) or :func:`quantize_rowwise_fast`.
     """
-    qa, sa = quantize_rowwise(pad_last_dim(a_MK))
-    qb, sb = quantize_rowwise(pad_last_dim(b_NK))
+    qa, sa = quantize(pad_last_dim(a_MK))
+    qb, sb = quantize(pad_last_dim(b_NK))
     return (_scaled_mm_opaque if opaque_mm else _scaled_mm)(qa, qb, sa, sb, use_fast_accum)
 
 
@@ -123,9 +173,10 @@ def scaled_mm_rowwise(a_MK: torch.Tensor, b_NK: torch.Tensor, use_fast_accum: bo
 def _linear_backward(dy_MN: torch.Tensor, x_MK: torch.Tensor, w_NK: torch.Tensor, need_dx: bool,
                      need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """dx = dy W and dW = dy^T x in FP8 (each an empty tensor when not needed), in x's and W's dtypes."""
-    dx_MK = (scaled_mm_rowwise(dy_MN, w_NK.t(), FAST_ACCUM_BACKWARD).to(x_MK.dtype) if need_dx
+    q = quantize_rowwise_fast
+    dx_MK = (scaled_mm_rowwise(dy_MN, w_NK.t(), FAST_ACCUM_BACKWARD, quantize=q).to(x_MK.dtype) if need_dx
              else x_MK.new_empty(0))
-    dw_NK = (scaled_mm_rowwise(dy_MN.t(), x_MK.t(), FAST_ACCUM_BACKWARD).to(w_NK.dtype) if need_dw
+    dw_NK = (scaled_mm_rowwise(dy_MN.t(), x_MK.t(), FAST_ACCUM_BACKWARD, quantize=q).to(w_NK.dtype) if need_dw
              else w_NK.new_empty(0))
     return dx_MK, dw_NK
 

@@ -343,3 +343,26 @@ def test_fp8_linear_benchmark_runs_every_backward_mode():
     assert {r["mode"] for r in rows} == {"bf16", "opaque", "opaque_mm", "traced"} and len(rows) == 4
     assert all(max(r["y"], r["dx"], r["dw"]) < 0.08 for r in rows), rows
     assert R.BACKWARD_MODE == "opaque"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape,transposed", [((37, 200), False), ((200, 37), True), ((1, 16), False),
+                                              ((64, 130), True)])
+def test_quantize_rowwise_fast_is_bitwise_the_reference(dtype, shape, transposed):
+    """The backward's quantizer (row amax + one Triton pass, any strides) against quantize_rowwise:
+    the same bytes and scales, on contiguous and transposed views, partial tiles, an all-zero row
+    and an outlier row."""
+    from kernels.fp8_rowwise import quantize_rowwise_fast
+    from tests.triton_interpreter import DEVICE
+
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(shape[::-1] if transposed else shape, generator=gen).to(DEVICE, dtype)
+    x = x.t() if transposed else x
+    x[0] = 0.0
+    if x.shape[0] > 2:
+        x[2] *= 100.0
+    q, s = quantize_rowwise_fast(x, use_triton=True)  # the kernel, on CPU through the interpreter
+    q_ref, s_ref = quantize_rowwise(x)
+    assert q.is_contiguous() and q.shape == x.shape and s.shape == (x.shape[0], 1)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
