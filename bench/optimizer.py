@@ -41,7 +41,7 @@ def build(name: str, params) -> torch.optim.Optimizer:
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     kw = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8)
-    if name == "triton" or name == "triton+scale":
+    if name.startswith("triton"):
         return TritonAdamW(groups, **kw)
     return torch.optim.AdamW(groups, fused=name.startswith("fused"), foreach=name == "foreach", **kw)
 

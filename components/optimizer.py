@@ -30,9 +30,10 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device_type: str) ->
         impl = "fused" if device_type == "cuda" else "foreach"
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if impl == "triton":
-        from kernels.adamw import TritonAdamW, _interpreting
+        from kernels.adamw import TritonAdamW
+        from kernels.mega_moe.configs import interpreting
 
-        if device_type != "cuda" and not _interpreting():
+        if device_type != "cuda" and not interpreting():
             raise ConfigError(f"[optimizer] implementation = \"triton\" runs on a CUDA GPU (the device is "
                               f"{device_type}); use \"foreach\" or \"auto\"")
         return TritonAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)

@@ -27,11 +27,12 @@ float32 or bf16 gradients. DTensor parameters (FSDP, expert parallelism) are ref
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels.mega_moe.configs import interpreting
 
 BLOCK = 4096  # elements per program: 16 per thread at 8 warps, four 16-byte accesses per tensor
 INTERPRETER_BLOCK = 1 << 16
@@ -57,10 +58,6 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, n, lr, wd, beta1, beta2
     tl.store(v_ptr + offs, v, mask=mask)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                 lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
                 grad_scale: torch.Tensor | None = None) -> None:
@@ -80,7 +77,7 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
         if t.shape != param.shape or not t.is_contiguous() or t.device != param.device:
             raise ValueError(f"adamw_step_: {name} must be contiguous, of the parameter's shape {tuple(param.shape)} "
                              f"and on its device; got {tuple(t.shape)} on {t.device}, contiguous={t.is_contiguous()}")
-    if not param.is_cuda and not _interpreting():
+    if not param.is_cuda and not interpreting():
         raise RuntimeError("adamw_step_ runs on a CUDA GPU (or on CPU under TRITON_INTERPRET=1); use "
                            "[optimizer] implementation = \"foreach\" on CPU")
     if grad_scale is not None and (grad_scale.numel() != 1 or grad_scale.dtype != torch.float32):
@@ -92,7 +89,7 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     bias_correction1 = 1.0 - beta1**step
     bc2_sqrt = math.sqrt(1.0 - beta2**step)
     # The interpreter pays per program, not per element: large blocks there keep the CPU tests quick.
-    block = INTERPRETER_BLOCK if _interpreting() else BLOCK
+    block = INTERPRETER_BLOCK if interpreting() else BLOCK
     _adamw_kernel[(triton.cdiv(n, block),)](
         param, grad, exp_avg, exp_avg_sq, grad_scale if grad_scale is not None else param, n,
         lr, weight_decay, beta1, beta2, eps, lr / bias_correction1, bc2_sqrt,

@@ -41,14 +41,12 @@ the interpreter); it has not yet run on the GPU (``pytest tests/test_float8_line
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.fp8.quant import quantize_tile, to_e4m3_bits
+from kernels.fp8.quant import interpreting, quantize_tile, to_e4m3_bits
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -66,10 +64,6 @@ FAST_ACCUM_BACKWARD = False
 # and fused by inductor, each _scaled_mm call behind a custom op), "traced" (everything traced:
 # what gave wrong gradients on CUDA in Run 15).
 BACKWARD_MODE = "opaque"
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
@@ -119,9 +113,9 @@ def quantize_rowwise_fast(x: torch.Tensor, use_triton: bool | None = None) -> tu
     q = torch.empty((R, C), device=x.device, dtype=E4M3)
     if R and C:
         # The interpreter pays per program: one large block there keeps the CPU tests quick.
-        block_r, block_c = (256, 1024) if _interpreting() else (32, 128)
+        block_r, block_c = (256, 1024) if interpreting() else (32, 128)
         _apply_row_scales_kernel[(triton.cdiv(R, block_r), triton.cdiv(C, block_c))](
-            x, s, q.view(torch.uint8), R, C, x.stride(0), x.stride(1), SOFT=_interpreting(),
+            x, s, q.view(torch.uint8), R, C, x.stride(0), x.stride(1), SOFT=interpreting(),
             BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
     return q, s
 

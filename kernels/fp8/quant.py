@@ -33,12 +33,11 @@ GPU the hardware cast (``cvt.rn.satfinite``) is used.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from kernels.mega_moe.configs import interpreting
 from kernels.mega_moe.routing import max_tiles, tile_table
 
 E4M3_MAX = 448.0
@@ -50,11 +49,6 @@ _AMAX_EPS = tl.constexpr(1e-12)
 _TILE = tl.constexpr(128)
 
 FP8 = torch.float8_e4m3fn
-
-
-def interpreting() -> bool:
-    """True when Triton kernels run on CPU tensors through the interpreter."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # --------------------------------------------------------------------------------------------------
