@@ -16,15 +16,16 @@ skip_unless_runnable(_adamw_kernel, "kernels.adamw")
 # Sizes: one element, partial last blocks, several blocks (of the GPU's 4096 and the interpreter's
 # 65536 elements), matrices.
 SHAPES = [(1,), (4097,), (3, 5000), (64, 129), (2, 40000)]
+SEED = int(torch.randint(0, 2**30, ()))  # fresh inputs every run; failures name it
 
 
 def make_params(seed: int, device: str = DEVICE) -> list[torch.nn.Parameter]:
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(SEED + seed)
     return [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in SHAPES]
 
 
 def set_grads(params, seed: int, scale: float = 1.0) -> None:
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(SEED + seed)
     for p in params:
         # Gradients of mixed sizes, some rows tiny, as a deep model's are.
         g = torch.randn(p.shape, generator=gen) * scale * torch.logspace(-6, 0, p.numel()).view(p.shape)
@@ -53,11 +54,11 @@ def test_matches_torch_adamw():
     got, _ = run(TritonAdamW, 4)
     want, _ = run(torch_adamw, 4)
     for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=2e-6, atol=2e-7)
+        torch.testing.assert_close(g, w, rtol=2e-6, atol=2e-7, msg=lambda m: f"seed {SEED}: {m}")
 
 
 def test_bf16_gradient_is_its_float32_value():
-    gen = torch.Generator().manual_seed(3)
+    gen = torch.Generator().manual_seed(SEED + 3)
     p = torch.randn(5000, generator=gen).to(DEVICE)
     g = torch.randn(5000, generator=gen).to(DEVICE, torch.bfloat16)
     states = [(p.clone(), torch.full_like(p, 0.1), torch.full_like(p, 0.2)) for _ in range(2)]
@@ -73,7 +74,7 @@ def test_grad_scale_divides_gradients_and_leaves_them_unwritten():
     got, opt = run(TritonAdamW, 3, grad_scale=2.0)
     want, _ = run(torch_adamw, 3)
     for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=2e-6, atol=2e-7)
+        torch.testing.assert_close(g, w, rtol=2e-6, atol=2e-7, msg=lambda m: f"seed {SEED}: {m}")
     params = make_params(0)
     set_grads(params, 7)
     before = [p.grad.clone() for p in params]
@@ -95,7 +96,7 @@ def test_state_dict_moves_between_torch_and_triton():
         set_grads(params, 50)
         opt.step()
     for a, b in zip(params_a, params_b):
-        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-7)
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-7, msg=lambda m: f"seed {SEED}: {m}")
     # torch -> Triton (on a GPU, a fused AdamW checkpoint holds device step counts: moved to the CPU once).
     opt_c = TritonAdamW([{"params": params_a[:2], "weight_decay": 0.1}, {"params": params_a[2:], "weight_decay": 0.0}],
                         lr=3e-3, betas=(0.9, 0.95))
@@ -107,7 +108,7 @@ def test_state_dict_moves_between_torch_and_triton():
     opt_b.step()
     assert all(opt_c.state[p]["step"].item() == 4 for p in params_a)
     for a, b in zip(params_a, params_b):
-        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-7)
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-7, msg=lambda m: f"seed {SEED}: {m}")
 
 
 def test_clear_errors():
