@@ -30,8 +30,8 @@ from components.profiling import StepProfiler
 from components.tokenizer import TokenizerError, build_tokenizer
 from kernels import available_moe_backends, resolve_moe_backend
 from models.moe.router import update_expert_bias
-from models.moe.weight_cache import (cache_mode, enable_expert_weight_cache, invalidate_expert_weight_caches,
-                                     refresh_expert_weight_caches)
+from models.moe.weight_cache import (attach_caches_to_optimizer, cache_mode, enable_expert_weight_cache,
+                                     invalidate_expert_weight_caches, refresh_expert_weight_caches)
 from models.qwen3.args import get_model_args
 from models.qwen3.model import Qwen3MoE, count_params
 from parallelisms import parallelize_model
@@ -136,6 +136,8 @@ class Trainer:
         if self.weight_cache_mode is not None:
             # For eager forwards outside train_step (which refreshes the caches itself).
             self.optimizer.register_step_post_hook(lambda *_: invalidate_expert_weight_caches(model))
+            # The Triton AdamW writes the bf16 copies in its own pass (after the hook above: synced wins).
+            self.caches_in_optimizer = attach_caches_to_optimizer(model, self.optimizer)
         self.checkpoint = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, model, self.optimizer,
                                             self.lr_scheduler, self.dataloader,
                                             model_identity(self.model_args, m.flavor))

@@ -165,7 +165,16 @@ class CheckpointManager:
 
     def maybe_load(self) -> int:
         """Loads the checkpoint to resume from, if any; returns its step (0 when starting fresh, from
-        ``initial_load_path``'s weights if set)."""
+        ``initial_load_path``'s weights if set). Expert weight caches are marked stale after it
+        (models/moe/weight_cache.py: a cache the optimizer synced would otherwise be skipped once)."""
+        from models.moe.weight_cache import invalidate_expert_weight_caches
+
+        try:
+            return self._maybe_load()
+        finally:
+            invalidate_expert_weight_caches(self.model)
+
+    def _maybe_load(self) -> int:
         if not self.cfg.enable:
             if self.cfg.initial_load_path:
                 self.load_initial_weights()

@@ -19,6 +19,11 @@ The math is torch's AdamW (decoupled weight decay, bias-corrected moments), in f
 Results match torch's implementations to float32 rounding (they differ from each other in the
 same way: fused, foreach and for-loop order these operations differently).
 
+Shadows: :meth:`TritonAdamW.attach_shadow` gives a parameter a low-precision copy (the expert
+weight cache's bf16 copy, ``models/moe/weight_cache.py``) that the same pass writes from the updated
+value: 2 bytes more per such parameter instead of a separate refresh pass reading the float32
+parameter again (4 + 2 bytes). The copy is the round-to-nearest cast ``p.to(bfloat16)`` makes.
+
 Scope: single-process training on plain, contiguous float32 tensors (parameters and moments),
 float32 or bf16 gradients. DTensor parameters (FSDP, expert parallelism) are refused: use the
 ``fused`` implementation there.
@@ -39,8 +44,8 @@ INTERPRETER_BLOCK = 1 << 16
 
 
 @triton.jit
-def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, n, lr, wd, beta1, beta2, eps, step_size, bc2_sqrt,
-                  HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, shadow_ptr, n, lr, wd, beta1, beta2, eps, step_size,
+                  bc2_sqrt, HAS_SCALE: tl.constexpr, HAS_SHADOW: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     p = tl.load(p_ptr + offs, mask=mask)
@@ -56,15 +61,24 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, n, lr, wd, beta1, beta2
     tl.store(p_ptr + offs, p, mask=mask)
     tl.store(m_ptr + offs, m, mask=mask)
     tl.store(v_ptr + offs, v, mask=mask)
+    if HAS_SHADOW:
+        # bf16 round-to-nearest-even on the bits (the interpreter's cast truncates; the GPU's rounds
+        # like this): add half an ulp of bf16, plus one if the kept lowest bit is odd; NaN stays NaN.
+        bits = p.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(p != p, 0x7FC0, rounded)
+        tl.store(shadow_ptr + offs, rounded.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
 
 
 def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                 lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
-                grad_scale: torch.Tensor | None = None) -> None:
+                grad_scale: torch.Tensor | None = None, shadow: torch.Tensor | None = None) -> None:
     """One AdamW update of ``param`` and its moments, in place; ``step`` counts from 1.
 
     ``grad_scale``: optional one-element float32 tensor on the parameter's device; the gradient is
     divided by it (torch's ``grad_scale`` convention; the trainer passes the clipping divisor).
+    ``shadow``: optional bf16 tensor of the parameter's shape, contiguous, overwritten with the
+    updated parameter cast to bf16 (see the module docstring).
     """
     if step < 1:
         raise ValueError(f"adamw_step_: step counts from 1, got {step}")
@@ -80,6 +94,11 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     if not param.is_cuda and not interpreting():
         raise RuntimeError("adamw_step_ runs on a CUDA GPU (or on CPU under TRITON_INTERPRET=1); use "
                            "[optimizer] implementation = \"foreach\" on CPU")
+    if shadow is not None and (shadow.dtype != torch.bfloat16 or shadow.shape != param.shape
+                               or not shadow.is_contiguous() or shadow.device != param.device):
+        raise ValueError(f"adamw_step_: the shadow must be a contiguous bf16 tensor of the parameter's shape "
+                         f"{tuple(param.shape)} on its device; got {shadow.dtype} {tuple(shadow.shape)} on "
+                         f"{shadow.device}, contiguous={shadow.is_contiguous()}")
     if grad_scale is not None and (grad_scale.numel() != 1 or grad_scale.dtype != torch.float32):
         raise ValueError(f"adamw_step_: grad_scale must be one float32 value, got {grad_scale.dtype} "
                          f"{tuple(grad_scale.shape)}")
@@ -91,9 +110,9 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     # The interpreter pays per program, not per element: large blocks there keep the CPU tests quick.
     block = INTERPRETER_BLOCK if interpreting() else BLOCK
     _adamw_kernel[(triton.cdiv(n, block),)](
-        param, grad, exp_avg, exp_avg_sq, grad_scale if grad_scale is not None else param, n,
-        lr, weight_decay, beta1, beta2, eps, lr / bias_correction1, bc2_sqrt,
-        HAS_SCALE=grad_scale is not None, BLOCK=block, num_warps=8,
+        param, grad, exp_avg, exp_avg_sq, grad_scale if grad_scale is not None else param,
+        shadow.view(torch.int16) if shadow is not None else param, n, lr, weight_decay, beta1, beta2, eps, lr / bias_correction1,
+        bc2_sqrt, HAS_SCALE=grad_scale is not None, HAS_SHADOW=shadow is not None, BLOCK=block, num_warps=8,
     )
 
 
@@ -120,6 +139,20 @@ class TritonAdamW(torch.optim.AdamW):
                 if p.dtype != torch.float32 or not p.is_contiguous():
                     raise TypeError(f"TritonAdamW needs contiguous float32 parameters, got {p.dtype} "
                                     f"{tuple(p.shape)} contiguous={p.is_contiguous()}")
+        self._shadows: dict[int, torch.Tensor] = {}  # id(parameter) -> its bf16 shadow
+
+    def attach_shadow(self, param: torch.Tensor, shadow: torch.Tensor) -> None:
+        """Have every step also write ``param.to(bfloat16)`` into ``shadow`` (contiguous bf16, the
+        parameter's shape and device). A step that skips the parameter (no gradient) leaves both as
+        they were, so the shadow stays the parameter's cast."""
+        if not any(param is q for g in self.param_groups for q in g["params"]):
+            raise ValueError(f"attach_shadow: the parameter {tuple(param.shape)} is not one this optimizer updates")
+        if shadow.dtype != torch.bfloat16 or shadow.shape != param.shape or not shadow.is_contiguous() \
+                or shadow.device != param.device:
+            raise ValueError(f"attach_shadow: the shadow must be a contiguous bf16 tensor of shape "
+                             f"{tuple(param.shape)} on {param.device}; got {shadow.dtype} {tuple(shadow.shape)} "
+                             f"on {shadow.device}")
+        self._shadows[id(param)] = shadow
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -148,5 +181,6 @@ class TritonAdamW(torch.optim.AdamW):
                 state["step"] += 1
                 adamw_step_(p, p.grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], lr=float(group["lr"]),
                             beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                            step=int(state["step"].item()), grad_scale=grad_scale)
+                            step=int(state["step"].item()), grad_scale=grad_scale,
+                            shadow=self._shadows.get(id(p)))
         return loss

@@ -131,6 +131,74 @@ def test_clear_errors():
         opt.step()
 
 
+def test_shadow_is_the_updated_parameter_cast_to_bf16():
+    """attach_shadow: every step writes p.to(bfloat16) of the updated value (bitwise torch's
+    round-to-nearest cast); a step without the parameter's gradient leaves both untouched; the
+    parameters follow exactly the steps without shadows."""
+    params = make_params(0)
+    plain = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt, ref = TritonAdamW(params, lr=1e-2, weight_decay=0.1), TritonAdamW(plain, lr=1e-2, weight_decay=0.1)
+    shadows = [torch.full(p.shape, 7.0, dtype=torch.bfloat16, device=DEVICE) for p in params[:3]]
+    for p, sh in zip(params, shadows):
+        opt.attach_shadow(p, sh)
+    for step in range(2):
+        set_grads(params, 30 + step)
+        set_grads(plain, 30 + step)
+        if step == 1:
+            params[0].grad = plain[0].grad = None  # not updated this step
+        before = params[0].detach().clone()
+        opt.step()
+        ref.step()
+        assert all(torch.equal(a, b) for a, b in zip(params, plain)), f"seed {SEED}"
+        for i, (p, sh) in enumerate(zip(params, shadows)):
+            assert torch.equal(sh, p.detach().to(torch.bfloat16)), f"seed {SEED}: shadow {i}, step {step}"
+        if step == 1:
+            assert torch.equal(params[0], before)
+
+
+def test_attach_shadow_refuses_what_it_cannot_write():
+    p = torch.nn.Parameter(torch.zeros(8, 4, device=DEVICE))
+    opt = TritonAdamW([p])
+    with pytest.raises(ValueError, match="not one this optimizer updates"):
+        opt.attach_shadow(torch.nn.Parameter(torch.zeros(8, 4, device=DEVICE)), torch.zeros(8, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="contiguous bf16 tensor of shape"):
+        opt.attach_shadow(p, torch.zeros(8, 4, device=DEVICE))  # float32
+    with pytest.raises(ValueError, match="contiguous bf16 tensor of shape"):
+        opt.attach_shadow(p, torch.zeros(4, 8, dtype=torch.bfloat16, device=DEVICE).t())
+    with pytest.raises(ValueError, match="the shadow must be a contiguous bf16"):
+        adamw_step_(p.detach(), torch.zeros_like(p), torch.zeros_like(p), torch.zeros_like(p), lr=1e-3, beta1=0.9,
+                    beta2=0.95, eps=1e-8, weight_decay=0.0, step=1, shadow=torch.zeros(3, dtype=torch.bfloat16))
+
+
+def test_trainer_caches_expert_weights_in_the_optimizer_pass(tmp_path):
+    """bf16 autocast, one process, implementation = "triton": the optimizer writes the expert weight
+    caches (no refresh after the first step) and training is bitwise that with the cache off."""
+    from tests.test_train import make_trainer
+
+    def run3(cache):
+        trainer = make_trainer(tmp_path, "--optimizer.implementation", "triton", "--model.n_layers", "1",
+                               "--training.mixed_precision_param", "bfloat16", "--moe.backend", "torch",
+                               "--moe.cache_expert_weights", str(cache).lower())
+        data_iter, losses, refreshed = iter(trainer.dataloader), [], []
+        import models.moe.weight_cache as wc
+        real = wc.refresh_expert_weight_caches
+        for trainer.step in (1, 2, 3):
+            losses.append(trainer.train_step(data_iter)[0])
+            refreshed.append(real(trainer.model) if cache and trainer.step == 3 else None)
+        return trainer, losses, {k: v.clone() for k, v in trainer.model.state_dict().items()}, refreshed
+
+    cached, losses, state, refreshed = run3(True)
+    assert cached.weight_cache_mode == "bf16" and cached.caches_in_optimizer == 1
+    assert refreshed[-1] == 0  # synced by the optimizer: nothing left to remake
+    experts = cached.model.layers["0"].moe.experts
+    for name in ("w1", "w3", "w2"):
+        assert torch.equal(getattr(experts.weight_cache, name), getattr(experts, name).detach().bfloat16()), name
+    _, plain_losses, plain_state, _ = run3(False)
+    assert losses == plain_losses
+    for k, v in plain_state.items():
+        assert torch.equal(state[k], v), k
+
+
 def test_trainer_with_triton_adamw(tmp_path):
     """train.py's step with implementation = "triton" (clipping folded into it) follows foreach's
     (clipping in place) on the debug model."""
