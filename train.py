@@ -30,8 +30,12 @@ from components.profiling import StepProfiler
 from components.tokenizer import TokenizerError, build_tokenizer
 from kernels import available_moe_backends, resolve_moe_backend
 from models.moe.router import update_expert_bias
+from components.shadow_weights import attach_shadows_to_optimizer, enable_shadows
+from components.shadow_weights import grad_carriers as shadow_grad_carriers
+from models.moe.router import TokenChoiceTopKRouter
 from models.moe.weight_cache import (attach_caches_to_optimizer, cache_mode, enable_expert_weight_cache,
-                                     invalidate_expert_weight_caches, refresh_expert_weight_caches)
+                                     expert_grad_carriers, invalidate_expert_weight_caches,
+                                     refresh_expert_weight_caches)
 from models.qwen3.args import get_model_args
 from models.qwen3.model import Qwen3MoE, count_params
 from parallelisms import parallelize_model
@@ -130,14 +134,27 @@ class Trainer:
         self.model = model
         self.weight_cache_mode = self._enable_weight_cache(cfg)
 
+        # bf16 copies that the optimizer writes and that carry the gradients: Triton AdamW, one process
+        # under bf16 autocast, and one micro-batch per step (accumulation would sum in bf16).
+        self.shadow_weights = (cfg.optimizer.shadow_weights and cfg.optimizer.implementation == "triton"
+                               and not self.distributed and t.mixed_precision_param == "bfloat16"
+                               and self.grad_accum_steps == 1)
+        self.shadowed_linears = []
         self.loss_fn = build_loss_fn(cfg.compile.enable and cfg.compile.loss, cfg.compile.backend)
         self.optimizer = build_optimizer(model, cfg.optimizer, self.device.type)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, t.steps, cfg.lr_scheduler)
         if self.weight_cache_mode is not None:
             # For eager forwards outside train_step (which refreshes the caches itself).
             self.optimizer.register_step_post_hook(lambda *_: invalidate_expert_weight_caches(model))
-            # The Triton AdamW writes the bf16 copies in its own pass (after the hook above: synced wins).
-            self.caches_in_optimizer = attach_caches_to_optimizer(model, self.optimizer)
+            # The Triton AdamW writes the bf16 copies in its own pass (after the hook above: synced wins)
+            # and, without accumulation (which would sum in bf16), reads the experts' bf16 gradients
+            # off them: no float32 expert gradients (models/moe/weight_cache.py, "Gradient carriers").
+            self.caches_in_optimizer = attach_caches_to_optimizer(model, self.optimizer,
+                                                                  carry_grads=self.shadow_weights)
+        if self.shadow_weights:
+            # The dense linears likewise compute with bf16 copies the optimizer writes (components/shadow_weights.py).
+            self.shadowed_linears = enable_shadows(model, skip=(TokenChoiceTopKRouter,))
+            attach_shadows_to_optimizer(self.shadowed_linears, self.optimizer)
         self.checkpoint = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, model, self.optimizer,
                                             self.lr_scheduler, self.dataloader,
                                             model_identity(self.model_args, m.flavor))
@@ -188,7 +205,9 @@ class Trainer:
         """One optimizer step over ``grad_accum_steps`` micro-batches: (loss, aux_loss, grad_norm),
         the losses averaged over micro-batches and data-parallel ranks."""
         cfg = self.cfg
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        # With shadow weights, bf16 copies hold the experts' and the linears' gradients.
+        params = [p for p in self.model.parameters() if p.requires_grad] + expert_grad_carriers(self.model) \
+            + shadow_grad_carriers(self.model)
         if self.weight_cache_mode is not None:
             # Once per step, outside the compiled graph, whatever changed the weights since the last
             # (optimizer step, checkpoint load): their versions cannot tell (models/moe/weight_cache.py).

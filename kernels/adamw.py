@@ -140,11 +140,14 @@ class TritonAdamW(torch.optim.AdamW):
                     raise TypeError(f"TritonAdamW needs contiguous float32 parameters, got {p.dtype} "
                                     f"{tuple(p.shape)} contiguous={p.is_contiguous()}")
         self._shadows: dict[int, torch.Tensor] = {}  # id(parameter) -> its bf16 shadow
+        self._grad_from_shadow: set[int] = set()  # ids of parameters whose gradient is their shadow's .grad
 
-    def attach_shadow(self, param: torch.Tensor, shadow: torch.Tensor) -> None:
+    def attach_shadow(self, param: torch.Tensor, shadow: torch.Tensor, grad_from_shadow: bool = False) -> None:
         """Have every step also write ``param.to(bfloat16)`` into ``shadow`` (contiguous bf16, the
         parameter's shape and device). A step that skips the parameter (no gradient) leaves both as
-        they were, so the shadow stays the parameter's cast."""
+        they were, so the shadow stays the parameter's cast. ``grad_from_shadow``: the parameter's
+        gradient is ``shadow.grad`` (bf16; the model computed with the shadow as a leaf), which
+        :meth:`zero_grad` clears with the parameters' gradients."""
         if not any(param is q for g in self.param_groups for q in g["params"]):
             raise ValueError(f"attach_shadow: the parameter {tuple(param.shape)} is not one this optimizer updates")
         if shadow.dtype != torch.bfloat16 or shadow.shape != param.shape or not shadow.is_contiguous() \
@@ -153,6 +156,31 @@ class TritonAdamW(torch.optim.AdamW):
                              f"{tuple(param.shape)} on {param.device}; got {shadow.dtype} {tuple(shadow.shape)} "
                              f"on {shadow.device}")
         self._shadows[id(param)] = shadow
+        if grad_from_shadow:
+            self._grad_from_shadow.add(id(param))
+
+    def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        if id(p) not in self._grad_from_shadow:
+            return p.grad
+        shadow_grad = self._shadows[id(p)].grad
+        if p.grad is None:
+            return shadow_grad
+        if shadow_grad is not None:
+            raise RuntimeError(f"TritonAdamW: the parameter {tuple(p.shape)} takes its gradient from its bf16 shadow "
+                               "but has a .grad of its own too (was it used outside the shadow?)")
+        # A gradient set on the parameter itself (torch.distributed.checkpoint's state initialisation
+        # sets zeros and steps with lr 0).
+        return p.grad
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for i in self._grad_from_shadow:
+            shadow = self._shadows[i]
+            if shadow.grad is not None:
+                if set_to_none:
+                    shadow.grad = None
+                else:
+                    shadow.grad.zero_()
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -168,7 +196,8 @@ class TritonAdamW(torch.optim.AdamW):
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
-                if p.grad is None:
+                grad = self._grad(p)
+                if grad is None:
                     continue
                 state = self.state[p]
                 if not state:
@@ -179,7 +208,7 @@ class TritonAdamW(torch.optim.AdamW):
                 elif state["step"].device.type != "cpu":
                     state["step"] = state["step"].cpu()  # loaded from a fused AdamW: one copy, then on the CPU
                 state["step"] += 1
-                adamw_step_(p, p.grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], lr=float(group["lr"]),
+                adamw_step_(p, grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], lr=float(group["lr"]),
                             beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                             step=int(state["step"].item()), grad_scale=grad_scale,
                             shadow=self._shadows.get(id(p)))

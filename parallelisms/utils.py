@@ -28,11 +28,22 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, foreach: bool, 
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)
     for p in params:
         if p.grad is not None:
-            groups[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p)
+            if isinstance(p.grad, DTensor):
+                groups[p.grad.device_mesh].append(p)
+            else:
+                groups[p.grad.dtype].append(p)
     norms = []
-    for group in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0, foreach=foreach)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    for key, group in groups.items():
+        grads = [p.grad for p in group]
+        if isinstance(key, torch.dtype) and key != torch.float32:
+            # bf16 gradients (the expert weight cache's gradient carriers, models/moe/weight_cache.py):
+            # each norm accumulated and returned in float32, as for float32 copies of them.
+            per = (torch._foreach_norm(grads, 2.0, dtype=torch.float32) if foreach
+                   else [torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) for g in grads])
+            norm = torch.linalg.vector_norm(torch.stack(list(per)), 2.0)
+        else:
+            norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=foreach)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm.float())
     total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
     if apply and max_norm != float("inf"):
         for group in groups.values():

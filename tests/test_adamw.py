@@ -170,33 +170,70 @@ def test_attach_shadow_refuses_what_it_cannot_write():
                     beta2=0.95, eps=1e-8, weight_decay=0.0, step=1, shadow=torch.zeros(3, dtype=torch.bfloat16))
 
 
-def test_trainer_caches_expert_weights_in_the_optimizer_pass(tmp_path):
+COMPILED_AC = ["--compile.enable", "--compile.backend", "aot_eager", "--activation_checkpoint.mode", "full",
+               "--activation_checkpoint.keep", "attention_and_moe"]
+
+
+@pytest.mark.parametrize("accum,more", [(1, []), (1, COMPILED_AC), (2, [])],
+                         ids=["carriers", "carriers-compiled-ac-keep", "accum2-float32-grads"])
+def test_trainer_caches_expert_weights_in_the_optimizer_pass(tmp_path, accum, more):
     """bf16 autocast, one process, implementation = "triton": the optimizer writes the expert weight
-    caches (no refresh after the first step) and training is bitwise that with the cache off."""
+    caches (none left to refresh after a step). Without accumulation (shadow_weights) the caches
+    carry the experts' bf16 gradients and the dense linears compute with bf16 shadows carrying
+    theirs (the parameters get none), and training follows the run without either up to the
+    clipping norm's float32 rounding; with accumulation (float32 gradients, no shadows) it is
+    bitwise that run."""
+    import models.moe.weight_cache as wc
+    from components.shadow_weights import grad_carriers as shadow_grad_carriers
     from tests.test_train import make_trainer
 
     def run3(cache):
         trainer = make_trainer(tmp_path, "--optimizer.implementation", "triton", "--model.n_layers", "1",
                                "--training.mixed_precision_param", "bfloat16", "--moe.backend", "torch",
-                               "--moe.cache_expert_weights", str(cache).lower())
-        data_iter, losses, refreshed = iter(trainer.dataloader), [], []
-        import models.moe.weight_cache as wc
-        real = wc.refresh_expert_weight_caches
-        for trainer.step in (1, 2, 3):
-            losses.append(trainer.train_step(data_iter)[0])
-            refreshed.append(real(trainer.model) if cache and trainer.step == 3 else None)
-        return trainer, losses, {k: v.clone() for k, v in trainer.model.state_dict().items()}, refreshed
+                               "--training.global_batch_size", str(4 * accum), "--training.max_norm", "0.5",
+                               "--moe.cache_expert_weights", str(cache).lower(),
+                               "--optimizer.shadow_weights", str(cache).lower(), *more)
+        experts = trainer.model.layers["0"].moe.experts
+        data_iter, losses, norms, refreshed, seen = iter(trainer.dataloader), [], [], None, {}
+        real_step = trainer.optimizer.step
 
-    cached, losses, state, refreshed = run3(True)
+        def step(*a, **k):  # what the optimizer sees, after backward and clipping
+            seen["param_grads"] = [getattr(experts, n).grad for n in ("w1", "w3", "w2")]
+            seen["carriers"] = [t.grad for t in wc.expert_grad_carriers(trainer.model)]
+            seen["linear_grads"] = [m.weight.grad for m in (trainer.model.output, trainer.model.layers["0"].attention.wq)]
+            seen["linear_carriers"] = [t.grad for t in shadow_grad_carriers(trainer.model)]
+            return real_step(*a, **k)
+
+        trainer.optimizer.step = step
+        for trainer.step in (1, 2, 3):
+            loss, _, norm = trainer.train_step(data_iter)
+            losses.append(loss)
+            norms.append(norm)
+        if cache:
+            refreshed = wc.refresh_expert_weight_caches(trainer.model)
+            for name in ("w1", "w3", "w2"):
+                assert torch.equal(getattr(experts.weight_cache, name), getattr(experts, name).detach().bfloat16())
+        return trainer, losses, norms, {k: v.clone() for k, v in trainer.model.state_dict().items()}, refreshed, seen
+
+    cached, losses, norms, state, refreshed, seen = run3(True)
     assert cached.weight_cache_mode == "bf16" and cached.caches_in_optimizer == 1
-    assert refreshed[-1] == 0  # synced by the optimizer: nothing left to remake
-    experts = cached.model.layers["0"].moe.experts
-    for name in ("w1", "w3", "w2"):
-        assert torch.equal(getattr(experts.weight_cache, name), getattr(experts, name).detach().bfloat16()), name
-    _, plain_losses, plain_state, _ = run3(False)
-    assert losses == plain_losses
-    for k, v in plain_state.items():
-        assert torch.equal(state[k], v), k
+    assert refreshed == 0  # synced by the optimizer: nothing left to remake
+    _, plain_losses, plain_norms, plain_state, _, plain_seen = run3(False)
+    assert all(g is not None and g.dtype == torch.float32 for g in plain_seen["param_grads"])
+    if accum == 1:
+        assert all(g is None for g in seen["param_grads"] + seen["linear_grads"])
+        # wq, wk, wv, wo and the output head (the router's gate keeps float32 gradients)
+        assert len(seen["linear_carriers"]) == 5 and all(g.dtype == torch.bfloat16 for g in seen["linear_carriers"])
+        assert len(seen["carriers"]) == 3 and all(g.dtype == torch.bfloat16 for g in seen["carriers"])
+        assert losses == pytest.approx(plain_losses, rel=1e-5)
+        assert norms == pytest.approx(plain_norms, rel=1e-5)
+        for k, v in plain_state.items():
+            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    else:
+        assert seen["carriers"] == [] and seen["linear_carriers"] == [] and all(g.dtype == torch.float32 for g in seen["param_grads"])
+        assert losses == plain_losses and norms == plain_norms
+        for k, v in plain_state.items():
+            assert torch.equal(state[k], v), k
 
 
 def test_trainer_with_triton_adamw(tmp_path):

@@ -21,6 +21,7 @@ import torch.utils.checkpoint
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from components.loss import linear_cross_entropy
+from components.shadow_weights import compute_weight
 from models.moe.moe import MoE, depth_init_std
 from models.moe.router import router_aux_loss
 from models.qwen3.args import Qwen3MoEArgs
@@ -209,7 +210,8 @@ class Qwen3MoE(nn.Module):
             stats.append(router_stats_3E)
         h = self.norm(h)
         if labels_BL is not None and loss_chunk_size > 0:
-            loss = linear_cross_entropy(h.flatten(0, 1), self.output.weight, labels_BL.flatten(), loss_chunk_size)
+            loss = linear_cross_entropy(h.flatten(0, 1), compute_weight(self.output), labels_BL.flatten(),
+                                        loss_chunk_size)
             return loss, torch.stack(stats)
         return self.output(h), torch.stack(stats)
 

@@ -1,0 +1,98 @@
+"""components/shadow_weights.py: the dense linears' bf16 shadows against autocast's per-call casts,
+and the trainer with them (``[optimizer] implementation = "triton"``, ``shadow_weights``)."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from components.shadow_weights import (ShadowLinear, compute_weight, enable_shadows, grad_carriers,
+                                       invalidate_shadows)
+from models.moe.router import TokenChoiceTopKRouter
+
+SEED = int(torch.randint(0, 2**30, ()))  # fresh inputs every run; failures name it
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 32, bias=False)
+        self.b = nn.Linear(32, 8, bias=True)  # a bias: not shadowed
+        self.router = TokenChoiceTopKRouter(8, 4, 2, True, False)  # skipped by type
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def test_shadow_linear_is_autocasts_linear():
+    """Forward bitwise autocast's F.linear of the float32 weight; the gradient lands on the bf16
+    shadow (autocast's bf16 weight gradient) and the parameter gets none."""
+    torch.manual_seed(SEED)
+    ref, model = Tiny(), Tiny()
+    model.load_state_dict(ref.state_dict())
+    swapped = enable_shadows(model, skip=(TokenChoiceTopKRouter,))
+    assert swapped == [model.a] and type(model.a) is ShadowLinear and type(model.b) is nn.Linear
+    assert type(model.router.gate) is nn.Linear and grad_carriers(model) == [model.a.weight_bf16]
+    assert compute_weight(model.a) is model.a.weight_bf16 and compute_weight(model.b) is model.b.weight
+    assert "a.weight_bf16" not in model.state_dict()  # never checkpointed
+    x = torch.randn(5, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_ref, y = ref(x), model(x)
+    assert torch.equal(y_ref, y), f"seed {SEED}"
+    dy = torch.randn_like(y_ref)
+    y_ref.backward(dy)
+    y.backward(dy)
+    assert model.a.weight.grad is None and model.a.weight_bf16.grad.dtype == torch.bfloat16
+    assert torch.equal(model.a.weight_bf16.grad.float(), ref.a.weight.grad), f"seed {SEED}"
+
+
+def test_in_place_edits_and_loads_reach_the_shadow():
+    torch.manual_seed(SEED)
+    model = Tiny()
+    enable_shadows(model)
+    with torch.no_grad():
+        model.a.weight.mul_(2.0)  # moves the version counter: the next eager call re-casts
+    x = torch.randn(2, 16)
+    assert torch.equal(model(x), nn.functional.linear(model.a(x), model.b.weight, model.b.bias))  # float32 call
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x)
+    assert torch.equal(model.a.weight_bf16, model.a.weight.detach().bfloat16())
+    with torch.no_grad():
+        model.a.weight.data.copy_(torch.randn(32, 16))  # .data: no counter; a load path calls invalidate
+    invalidate_shadows(model)
+    assert torch.equal(model.a.weight_bf16, model.a.weight.detach().bfloat16())
+
+
+triton = pytest.importorskip("triton")
+
+
+def _losses(tmp_path, *extra, steps=4, resume_at=None):
+    from tests.test_train import make_trainer
+
+    args = ["--optimizer.implementation", "triton", "--model.n_layers", "1", "--training.mixed_precision_param",
+            "bfloat16", "--moe.backend", "torch", *extra]
+    trainer = make_trainer(tmp_path, *args)
+    data_iter, losses = iter(trainer.dataloader), []
+    for trainer.step in range(1, steps + 1):
+        losses.append(trainer.train_step(data_iter)[0])
+        if trainer.step == resume_at:
+            trainer.checkpoint.save(trainer.step)
+            trainer = make_trainer(tmp_path, *args)
+            assert trainer.checkpoint.maybe_load() == resume_at
+            data_iter = iter(trainer.dataloader)
+    return trainer, losses
+
+
+def test_trainer_chunked_loss_computes_with_the_output_shadow(tmp_path):
+    """The chunked linear + cross-entropy reads the output head's weight directly: it must read the
+    shadow (else the float32 weight would get a gradient the optimizer refuses)."""
+    trainer, got = _losses(tmp_path, "--training.loss_chunk_size", "64", steps=2)
+    assert trainer.shadow_weights and trainer.model.output in trainer.shadowed_linears
+    _, want = _losses(tmp_path, "--training.loss_chunk_size", "64", "--optimizer.shadow_weights", "false", steps=2)
+    assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_trainer_resume_with_shadows(tmp_path):
+    """Resumed from a checkpoint the shadows hold the loaded weights: the losses continue exactly."""
+    _, want = _losses(tmp_path / "a")
+    _, got = _losses(tmp_path / "b", "--checkpoint.enable", "--checkpoint.interval", "100", resume_at=2)
+    assert got == want
