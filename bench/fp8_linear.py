@@ -1,15 +1,13 @@
 """The FP8 attention projections (``[quantize] linear = "fp8_rowwise"``, kernels/fp8_rowwise.py)
 against bf16, compiled by inductor as the trainer runs them, forward + backward, at the
-Qwen3-30B-A3B projection shapes; each of the backward's modes (``BACKWARD_MODE``) checked against
-float64 and timed.
+Qwen3-30B-A3B projection shapes; the custom-op implementation (training's) and the three modes of
+the autograd.Function it replaced, each checked against float64 and timed.
 
     python -m bench.fp8_linear                 # T 16384, the four projections of a 30B-A3B layer
 
-Run 15 found the fully traced backward ("traced") wrong on CUDA under inductor (dx and dW at
-relative error 1.0); "opaque" (the default since) runs the GEMMs in a custom op with a Triton
-quantizer (two reads and a byte written per element, not fused with neighbours); "opaque_mm" keeps the quantizations traced and only
-the GEMM calls opaque: if it is right, the fault was inductor's handling of ``_scaled_mm`` and it
-is the fast fix. The table says which modes are right and what each costs against bf16.
+Run 17 found every mode of the autograd.Function wrong compiled on CUDA (zero tangent under
+AOTAutograd; kernels/fp8_rowwise.py says more); the custom ops replace it. The table says which are
+right and what each costs against bf16.
 ``--device cpu --timer wall --tokens 64 --only wk`` runs it tiny on CPU (the tests).
 """
 
@@ -26,7 +24,9 @@ from bench.timing import time_ms, wall_ms
 # (name, in features K, out features N) of a Qwen3-30B-A3B attention block: 32 query heads and 4
 # KV heads of 128 over a 2048-wide residual stream.
 PROJECTIONS = [("wq", 2048, 4096), ("wk", 2048, 512), ("wv", 2048, 512), ("wo", 4096, 2048)]
-MODES = ("opaque", "opaque_mm", "traced")
+# name -> (IMPLEMENTATION, BACKWARD_MODE)
+MODES = {"custom_op": ("custom_op", "opaque"), "fn_opaque": ("function", "opaque"),
+         "fn_opaque_mm": ("function", "opaque_mm"), "fn_traced": ("function", "traced")}
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     timer = time_ms if args.timer == "cuda" else wall_ms
     dev = args.device
     rows = []
-    saved_mode = R.BACKWARD_MODE
+    saved = R.IMPLEMENTATION, R.BACKWARD_MODE
     try:
         for name, K, N in projections:
             gen = torch.Generator().manual_seed(0)
@@ -63,9 +63,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         return R.fp8_linear(a, b, torch.bfloat16) if fp8 else F.linear(a, b)
                 return torch.compile(f, fullgraph=True)
 
-            for mode in ("bf16",) + MODES:
+            for mode in ("bf16", *MODES):
                 torch._dynamo.reset()
-                R.BACKWARD_MODE = saved_mode if mode == "bf16" else mode
+                R.IMPLEMENTATION, R.BACKWARD_MODE = saved if mode == "bf16" else MODES[mode]
                 fn = variant(mode != "bf16")
                 a = x_d.clone().requires_grad_()
                 b = w_d.clone().requires_grad_()
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 print(f"{name} {mode:10s} {ms:8.3f} ms  y {errs['y']:.4f} dx {errs['dx']:.4f} dw {errs['dw']:.4f}",
                       flush=True)
     finally:
-        R.BACKWARD_MODE = saved_mode
+        R.IMPLEMENTATION, R.BACKWARD_MODE = saved
     print("\n| projection (K -> N) | bf16 ms | " + " | ".join(f"{m} ms (max rel. err.)" for m in MODES) + " |")
     print("| --- | --- |" + " --- |" * len(MODES))
     for name, K, N in projections:

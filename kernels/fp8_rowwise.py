@@ -24,19 +24,16 @@ scales fp32 of shapes (M, 1) and (1, N), bf16 output. :func:`scaled_mm_rowwise` 
 (the token count in wgrad) to a multiple of 16; the features of a converted linear must be
 multiples of 16 already (``components/float8.py`` checks).
 
-The forward is plain torch ops in a ``torch.autograd.Function``: dynamo traces it into the
-graph and inductor fuses each quantization (amax, scale, cast) into one pass next to its
-neighbours. The backward's two GEMMs run inside one ``torch.library`` custom op, opaque to
-inductor, with their quantizations done by :func:`quantize_rowwise_fast` (a row amax, then one
-Triton pass; bit for bit :func:`quantize_rowwise`): traced and compiled by inductor on
-CUDA (torch 2.11, H200), they came out wrong — dx and dW at relative error 1.0 against float64 while
-eager gave 3.8% and the compiled forward was right (BENCHMARKS Run 15; Run 14's training went
-wrong with it). Which lowering is at fault was not isolated (the CPU's inductor is right). A lead:
-``kernels/grouped_mm_fp8.py`` quantizes the same way, transposed operands included, and its
-compiled backward was right on the GPU (Run 9), but it calls ``_scaled_grouped_mm`` with fast
-accumulation where this backward calls ``_scaled_mm`` without. The opaque op calls ``_scaled_mm``
-as eager does (the path verified on the GPU) on operands bitwise equal to eager's (checked under
-the interpreter); it has not yet run on the GPU (``pytest tests/test_float8_linear.py -k cuda``).
+How it reaches the compiler: the linear is one ``torch.library`` custom op (``fp8_rowwise::linear``)
+whose autograd formula calls a second one (``fp8_rowwise::linear_backward``), both opaque to
+inductor, each quantizing its operands with :func:`quantize_rowwise_fast` (a row amax, then one
+Triton pass; bit for bit :func:`quantize_rowwise`). The first version, a ``torch.autograd.Function``
+traced by dynamo, trained wrongly on the GPU (BENCHMARKS Runs 14-17): under AOTAutograd on CUDA
+(torch 2.11, H200; ``aot_eager`` as well as inductor) the tangent reaching its backward was all
+zeros, so dx and dW came out zero (relative error 1.0), whether the backward's GEMMs were traced,
+behind a custom op, or its quantizations too; eager was right (3.8%), and the CPU right in every
+mode. That Function stays selectable (``IMPLEMENTATION = "function"``, with ``BACKWARD_MODE``) for
+``bench/fp8_linear.py``'s side-by-side check, not for training.
 """
 
 from __future__ import annotations
@@ -58,11 +55,11 @@ ALIGN = 16  # _scaled_mm's (and _scaled_grouped_mm's) dimension multiple on CUDA
 FAST_ACCUM_FORWARD = True
 FAST_ACCUM_BACKWARD = False
 
-# How the backward's GEMMs reach the compiler (read when a graph is traced), for the diagnosis of
-# BENCHMARKS Run 15 (bench/fp8_linear.py times and checks all three): "opaque" (the default: both
-# GEMMs and their quantizations in one custom op, not compiled), "opaque_mm" (quantizations traced
-# and fused by inductor, each _scaled_mm call behind a custom op), "traced" (everything traced:
-# what gave wrong gradients on CUDA in Run 15).
+# "custom_op" (training's): the custom ops above. "function": the torch.autograd.Function that
+# AOTAutograd mis-compiled on CUDA (module docstring), kept for bench/fp8_linear.py's comparison, with
+# BACKWARD_MODE choosing how its backward reaches the compiler: "opaque" (one custom op), "opaque_mm"
+# (quantizations traced, each _scaled_mm behind a custom op), "traced" (everything traced).
+IMPLEMENTATION = "custom_op"
 BACKWARD_MODE = "opaque"
 
 
@@ -181,6 +178,31 @@ def _(dy_MN, x_MK, w_NK, need_dx, need_dw):
             w_NK.new_empty(w_NK.shape) if need_dw else w_NK.new_empty(0))
 
 
+@torch.library.custom_op("fp8_rowwise::linear", mutates_args=())
+def _linear_forward(x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+    """y = x W^T in FP8 (both quantized rowwise over K), bf16."""
+    return scaled_mm_rowwise(x_MK, w_NK, FAST_ACCUM_FORWARD, quantize=quantize_rowwise_fast)
+
+
+@_linear_forward.register_fake
+def _(x_MK, w_NK):
+    return x_MK.new_empty((x_MK.shape[0], w_NK.shape[0]), dtype=torch.bfloat16)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)  # the high-precision x and W, requantized by the backward
+
+
+def _autograd_backward(ctx, dy_MN: torch.Tensor):
+    x_MK, w_NK = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    dx_MK, dw_NK = _linear_backward(dy_MN.contiguous(), x_MK, w_NK, need_dx, need_dw)
+    return dx_MK if need_dx else None, dw_NK if need_dw else None
+
+
+_linear_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
 class _Float8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK: torch.Tensor, w_NK: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -210,5 +232,9 @@ def fp8_linear(x: torch.Tensor, weight_NK: torch.Tensor, out_dtype: torch.dtype 
     if x.shape[-1] != weight_NK.shape[1]:
         raise ValueError(f"fp8_linear: x has {x.shape[-1]} features, the weight {tuple(weight_NK.shape)} wants "
                          f"{weight_NK.shape[1]}")
-    y_MN = _Float8LinearFn.apply(x.reshape(-1, x.shape[-1]), weight_NK, out_dtype or x.dtype)
+    x_MK = x.reshape(-1, x.shape[-1])
+    if IMPLEMENTATION == "custom_op":
+        y_MN = _linear_forward(x_MK, weight_NK).to(out_dtype or x.dtype)
+    else:
+        y_MN = _Float8LinearFn.apply(x_MK, weight_NK, out_dtype or x.dtype)
     return y_MN.view(*x.shape[:-1], weight_NK.shape[0])

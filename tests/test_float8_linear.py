@@ -275,7 +275,7 @@ def test_fsdp2_trains_like_one_process(tmp_path):
 @pytest.mark.parametrize("dy_scale", [1.0, 1e-7])
 def test_fp8_linear_cuda_compiled_as_trained(dy_scale):
     """The projection as the trainer runs it on the GPU: a float32 weight under bf16 autocast,
-    compiled by inductor (which fuses the quantizations), at the Qwen3-30B-A3B q-projection shape,
+    eager and compiled, at the Qwen3-30B-A3B q-projection shape,
     with gradients as small as a deep model's: output and both gradients against float64."""
     gen = torch.Generator().manual_seed(8)
     M, K, N = 16384, 2048, 4096
@@ -289,7 +289,9 @@ def test_fp8_linear_cuda_compiled_as_trained(dy_scale):
 
     x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
     (x64 @ w64.t()).backward(dy.double())
-    for label, fn in (("eager", f), ("inductor", torch.compile(f, fullgraph=True))):
+    # aot_eager too: the autograd.Function this op replaced got a zero tangent under AOTAutograd on CUDA.
+    for label, fn in (("eager", f), ("aot_eager", torch.compile(f, backend="aot_eager", fullgraph=True)),
+                      ("inductor", torch.compile(f, fullgraph=True))):
         x_ = x.cuda().bfloat16().requires_grad_()
         w_ = w.cuda().requires_grad_()
         y = fn(x_, w_)
@@ -332,17 +334,17 @@ def test_fp8_linear_trainer_gradients_cuda(tmp_path, keep):
     assert norm(got) == pytest.approx(norm(ref), rel=0.05), f"gradient norms {norm(got)} vs {norm(ref)}; {worst}"
 
 
-def test_fp8_linear_benchmark_runs_every_backward_mode():
-    """bench/fp8_linear.py at a tiny size on CPU: each backward mode compiles with inductor and
-    gives FP8-level errors here (on the GPU it is the check of Run 15's fault), and the module's
-    mode is restored afterwards."""
+def test_fp8_linear_benchmark_runs_every_implementation():
+    """bench/fp8_linear.py at a tiny size on CPU: the custom ops and each mode of the old
+    autograd.Function compile with inductor and give FP8-level errors here (on the GPU it is the
+    check of Run 17's fault), and the module's settings are restored afterwards."""
     import kernels.fp8_rowwise as R
     from bench import fp8_linear
 
     rows = fp8_linear.main(["--tokens", "64", "--iters", "1", "--device", "cpu", "--timer", "wall", "--only", "wk"])
-    assert {r["mode"] for r in rows} == {"bf16", "opaque", "opaque_mm", "traced"} and len(rows) == 4
-    assert all(max(r["y"], r["dx"], r["dw"]) < 0.08 for r in rows), rows
-    assert R.BACKWARD_MODE == "opaque"
+    assert {r["mode"] for r in rows} == {"bf16", "custom_op", "fn_opaque", "fn_opaque_mm", "fn_traced"}
+    assert len(rows) == 5 and all(max(r["y"], r["dx"], r["dw"]) < 0.08 for r in rows), rows
+    assert (R.IMPLEMENTATION, R.BACKWARD_MODE) == ("custom_op", "opaque")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
