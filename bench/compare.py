@@ -19,8 +19,11 @@ Runs, one after another, each in its own process with a timeout and its log kept
   and loss), bf16 autocast; FP8 is its ``quantize.grouped_mm.float8`` converter on the experts
   (torchao 0.16 rowwise ``_scaled_grouped_mm``; skipped with a note when torchao is missing).
 * ``ours_torchtitan``, ``ours_grouped_mm``, ``ours_mega``: ``train.py`` with the same shape, seq len,
-  batch, activation checkpointing, compile and optimizer settings, one process (bf16 autocast, as
-  upstream on one GPU), and the three MoE backends. ``ours_grouped_mm_fp8`` runs ``grouped_mm`` with
+  batch, activation checkpointing, compile and optimizer hyperparameters, one process (bf16
+  autocast, as upstream on one GPU), and the three MoE backends. The AdamW is ours in Triton with
+  shadow weights on one GPU (``[optimizer] implementation = "triton"``; the base rows of Runs 8-18
+  ran torch's fused one, as upstream does: ``--variant name="--optimizer.implementation auto"``
+  runs that), torch's fused one under torchrun. ``ours_grouped_mm_fp8`` runs ``grouped_mm`` with
   ``[quantize] moe = fp8_rowwise`` (TorchTitan's FP8 method), ``ours_mega_fp8`` runs ``mega`` with
   ``[quantize] moe = fp8_blockwise``.
 
@@ -292,6 +295,8 @@ def plan(s: Setting, *, toml_path: Path, data_dir: Path, python: str = sys.execu
             "--training.max_norm", repr(MAX_NORM), "--training.seed", str(SEED),
             "--training.mixed_precision_param", "bfloat16", "--training.device", "cuda",
             "--optimizer.lr", repr(LR), "--optimizer.eps", "1e-8", "--optimizer.weight_decay", repr(WEIGHT_DECAY),
+            # Ours in Triton (with shadow weights) in one process; torch's fused AdamW over FSDP's DTensors.
+            "--optimizer.implementation", "triton" if s.gpus == 1 else "auto",
             "--lr_scheduler.warmup_steps", str(WARMUP_STEPS), "--lr_scheduler.decay_type", "cosine",
             "--lr_scheduler.decay_ratio", "1.0", "--lr_scheduler.min_lr_factor", repr(MIN_LR_FACTOR),
             "--activation_checkpoint.mode", "full", "--compile.enable", "true",
