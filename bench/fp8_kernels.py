@@ -162,16 +162,19 @@ def sweep(T: int = 16384, top_k: int = 8, E: int = 128, D: int = 2048, F: int = 
             rows.append(f"{label:52s} failed: {type(exc).__name__}: {str(exc)[:60]}")
         print(rows[-1], flush=True)
 
-    for bm, warps, stages in ((128, 8, 3), (128, 8, 4), (64, 4, 3), (64, 8, 3)):
+    # lag: the K loop's lagged promotion (kernels/fp8/grouped_gemm.py, LAG), against the plain loop.
+    for bm, warps, stages, lag in ((128, 8, 3, False), (128, 8, 4, False), (64, 4, 3, False), (64, 8, 3, False),
+                                   (64, 8, 3, True), (128, 8, 3, True), (64, 4, 3, True)):
         tiles = tile_table(offs, N, bm)
-        t(f"gate_up+quantA bm{bm} bn128 w{warps} s{stages}", lambda: G.fp8_gate_up_swiglu(
+        t(f"gate_up+quantA bm{bm} bn128 w{warps} s{stages}{' lag' if lag else ''}", lambda: G.fp8_gate_up_swiglu(
             xq, xs, w1q, w1s, w3q, w3s, slots, offs, top_k, quantize_a=True, store_a=False, tiles=tiles,
-            block_m=bm, num_warps=warps, num_stages=stages), 2 * flops)
-    for bm, bn, warps, stages in ((128, 128, 8, 3), (128, 256, 8, 3), (64, 128, 4, 4)):
+            block_m=bm, num_warps=warps, num_stages=stages, lag_promotion=lag), 2 * flops)
+    for bm, bn, warps, stages, lag in ((128, 128, 8, 3, False), (128, 256, 8, 3, False), (64, 128, 4, 4, False),
+                                       (128, 128, 8, 3, True), (64, 128, 4, 4, True), (128, 256, 8, 3, True)):
         tiles = tile_table(offs, N, bm)
-        t(f"down bm{bm} bn{bn} w{warps} s{stages}", lambda: G.fp8_grouped_gemm(
+        t(f"down bm{bm} bn{bn} w{warps} s{stages}{' lag' if lag else ''}", lambda: G.fp8_grouped_gemm(
             aq, as_, w2q, w2s, offs, tiles=tiles, block_m=bm, block_n=bn, num_warps=warps,
-            num_stages=stages), flops)
+            num_stages=stages, lag_promotion=lag), flops)
     # The backward's M-tiled FP8 kernels: dA' + SwiGLU backward (dh, its own kernel) and dX.
     from kernels.mega_moe_fp8 import backward as B
 

@@ -96,3 +96,14 @@ def test_trainer_resume_with_shadows(tmp_path):
     _, want = _losses(tmp_path / "a")
     _, got = _losses(tmp_path / "b", "--checkpoint.enable", "--checkpoint.interval", "100", resume_at=2)
     assert got == want
+
+
+def test_trainer_shadows_beside_fp8_projections(tmp_path):
+    """With FP8 projections the converted linears keep their float32 gradients (they are not plain
+    nn.Linear) and only the output head is shadowed; the steps follow the run without shadows.
+    (An FP8 expert cache carries no gradients: attach_caches_to_optimizer takes bf16 caches only.)"""
+    fp8 = ["--quantize.linear", "fp8_rowwise"]
+    trainer, got = _losses(tmp_path, *fp8, steps=2)
+    assert [m is trainer.model.output for m in trainer.shadowed_linears] == [True]
+    _, want = _losses(tmp_path, *fp8, "--optimizer.shadow_weights", "false", steps=2)
+    assert got == pytest.approx(want, rel=1e-4)

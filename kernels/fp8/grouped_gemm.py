@@ -104,6 +104,28 @@ def _scaled_kstep(a_ptrs, b_ptrs, as_ptrs, bs_ptrs, acc, kb, K, offs_k, EVEN_K: 
 
 
 @triton.jit
+def _load_kblock(a_ptrs, b_ptrs, as_ptrs, bs_ptrs, kb, K, offs_k, EVEN_K: tl.constexpr):
+    """A's and B's 128-wide K block kb and their scales (pointers already at block kb)."""
+    if EVEN_K:
+        a = tl.load(a_ptrs)
+        b = tl.load(b_ptrs)
+    else:
+        kmask = offs_k + kb * 128 < K
+        a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
+    return a, b, tl.load(as_ptrs), tl.load(bs_ptrs)
+
+
+# LAG (``lag_promotion``): the K loop promotes block kb - 1's product into the fp32 accumulator after
+# issuing block kb's dot, instead of right after its own. Why: each 128-wide block's dot starts from
+# zero and its result is scaled and added on the CUDA cores (BLOCK_M x BLOCK_N FMAs per block, at
+# ~1/30 of the FP8 tensor-core rate: counted up to ~50% extra time when nothing overlaps it), and
+# the add right after the dot makes the warps wait for the tensor cores. Lagging by one block lets
+# the promotion overlap the next block's wgmma if the compiler keeps that wgmma in flight (DeepGEMM
+# overlaps it with warp specialization). Same additions in the same order: bitwise the plain loop.
+
+
+@triton.jit
 def _fp8_gemm_kernel(
     a_ptr,  # (T or Nr, K) e4m3
     as_ptr,  # (T or Nr, KB) fp32
@@ -126,6 +148,7 @@ def _fp8_gemm_kernel(
     WEIGHTED: tl.constexpr,
     EVEN_K: tl.constexpr,
     SOFT: tl.constexpr,
+    LAG: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -148,12 +171,27 @@ def _fp8_gemm_kernel(
     bs_ptrs = bs_ptr + (e64 * NB + offs_n_ld // 128) * KB
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, KB):
-        acc = _scaled_kstep(a_ptrs, b_ptrs, as_ptrs, bs_ptrs, acc, kb, K, offs_k, EVEN_K)
-        a_ptrs += 128
-        b_ptrs += 128
-        as_ptrs += 1
-        bs_ptrs += 1
+    if LAG:
+        d_prev = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        sa_prev = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        sb_prev = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for kb in range(0, KB):
+            a, b, sa, sb = _load_kblock(a_ptrs, b_ptrs, as_ptrs, bs_ptrs, kb, K, offs_k, EVEN_K)
+            d = tl.dot(a, b)
+            acc = acc + d_prev * sa_prev[:, None] * sb_prev[None, :]
+            d_prev, sa_prev, sb_prev = d, sa, sb
+            a_ptrs += 128
+            b_ptrs += 128
+            as_ptrs += 1
+            bs_ptrs += 1
+        acc = acc + d_prev * sa_prev[:, None] * sb_prev[None, :]
+    else:
+        for kb in range(0, KB):
+            acc = _scaled_kstep(a_ptrs, b_ptrs, as_ptrs, bs_ptrs, acc, kb, K, offs_k, EVEN_K)
+            a_ptrs += 128
+            b_ptrs += 128
+            as_ptrs += 1
+            bs_ptrs += 1
 
     if SCATTER:
         # Combine epilogue: each row goes straight to its (token, k) slot, scaled there in fp32
@@ -194,6 +232,7 @@ def _fp8_gate_up_kernel(
     QUANT_A: tl.constexpr,
     POW2: tl.constexpr,
     SOFT: tl.constexpr,
+    LAG: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(F, BLOCK_N)
@@ -221,15 +260,43 @@ def _fp8_gate_up_kernel(
 
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, DB):
-        acc_g = _scaled_kstep(x_ptrs, w1_ptrs, xs_ptrs, w1s_ptrs, acc_g, kb, D, offs_k, EVEN_K)
-        acc_u = _scaled_kstep(x_ptrs, w3_ptrs, xs_ptrs, w3s_ptrs, acc_u, kb, D, offs_k, EVEN_K)
-        x_ptrs += 128
-        w1_ptrs += 128
-        w3_ptrs += 128
-        xs_ptrs += 1
-        w1s_ptrs += 1
-        w3s_ptrs += 1
+    if LAG:
+        # Both dots of block kb issued, then block kb - 1's two products promoted (see LAG above).
+        dg_prev = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        du_prev = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        sx_prev = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        s1_prev = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        s3_prev = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for kb in range(0, DB):
+            x, w1, sx, s1 = _load_kblock(x_ptrs, w1_ptrs, xs_ptrs, w1s_ptrs, kb, D, offs_k, EVEN_K)
+            if EVEN_K:
+                w3 = tl.load(w3_ptrs)
+            else:
+                w3 = tl.load(w3_ptrs, mask=(offs_k + kb * 128 < D)[:, None], other=0.0)
+            s3 = tl.load(w3s_ptrs)
+            dg = tl.dot(x, w1)
+            du = tl.dot(x, w3)
+            acc_g = acc_g + dg_prev * sx_prev[:, None] * s1_prev[None, :]
+            acc_u = acc_u + du_prev * sx_prev[:, None] * s3_prev[None, :]
+            dg_prev, du_prev, sx_prev, s1_prev, s3_prev = dg, du, sx, s1, s3
+            x_ptrs += 128
+            w1_ptrs += 128
+            w3_ptrs += 128
+            xs_ptrs += 1
+            w1s_ptrs += 1
+            w3s_ptrs += 1
+        acc_g = acc_g + dg_prev * sx_prev[:, None] * s1_prev[None, :]
+        acc_u = acc_u + du_prev * sx_prev[:, None] * s3_prev[None, :]
+    else:
+        for kb in range(0, DB):
+            acc_g = _scaled_kstep(x_ptrs, w1_ptrs, xs_ptrs, w1s_ptrs, acc_g, kb, D, offs_k, EVEN_K)
+            acc_u = _scaled_kstep(x_ptrs, w3_ptrs, xs_ptrs, w3s_ptrs, acc_u, kb, D, offs_k, EVEN_K)
+            x_ptrs += 128
+            w1_ptrs += 128
+            w3_ptrs += 128
+            xs_ptrs += 1
+            w1s_ptrs += 1
+            w3s_ptrs += 1
 
     dtype = h_ptr.dtype.element_ty
     gate = cast_out(acc_g, dtype, SOFT)
@@ -284,6 +351,7 @@ def fp8_grouped_gemm(
     slot_weights_N: torch.Tensor | None = None,
     num_warps: int = 4,  # Run 12 sweep
     num_stages: int = 4,
+    lag_promotion: bool = False,
 ) -> torch.Tensor:
     """out[r] = dequant(A)[src(r)] @ dequant(B)[e(r)]^T for the expert-sorted rows r.
 
@@ -337,7 +405,7 @@ def fp8_grouped_gemm(
         slot_weights_N if slot_weights_N is not None else a_s,
         offsets_E1, tiles, n_tiles, top_k, N, K,
         BLOCK_M=bm, BLOCK_N=bn, GATHER=sorted_slot_N is not None, SCATTER=out_slot_N is not None,
-        WEIGHTED=slot_weights_N is not None, EVEN_K=K % TILE == 0, SOFT=interpreting(),
+        WEIGHTED=slot_weights_N is not None, EVEN_K=K % TILE == 0, SOFT=interpreting(), LAG=lag_promotion,
         num_warps=num_warps if not interpreting() else 4, num_stages=num_stages,
     )  # fmt: skip
     return out
@@ -361,6 +429,7 @@ def fp8_gate_up_swiglu(
     store_a: bool = True,
     num_warps: int = 8,  # Run 12 sweep: 8 warps at 64 rows (two accumulators)
     num_stages: int = 3,
+    lag_promotion: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
     """FP8 gathered gate/up GEMM with the SwiGLU epilogue (FP8 twin of ``forward.gate_up``).
 
