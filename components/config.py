@@ -103,7 +103,7 @@ class Optimizer:
     eps: float = _field(1e-8, "Adam epsilon", gt=0)
     weight_decay: float = _field(0.1, "decoupled weight decay (not applied to norms, biases or embeddings)", ge=0)
     implementation: str = _field("auto", "auto: fused on GPU, foreach on CPU; triton: one Triton pass per parameter "
-                                 "(single process, kernels/adamw.py)", choices=("auto", "fused", "foreach", "for-loop", "triton"))
+                                 "(kernels/adamw.py; plain or FSDP/EP-sharded parameters)", choices=("auto", "fused", "foreach", "for-loop", "triton"))
     shadow_weights: bool = _field(True, "with implementation = \"triton\", one process, bf16 autocast and one "
                                   "micro-batch per step: the optimizer writes bf16 copies of the linear and expert "
                                   "weights that the model computes with and that carry bf16 gradients (no per-step "

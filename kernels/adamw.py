@@ -24,9 +24,10 @@ weight cache's bf16 copy, ``models/moe/weight_cache.py``) that the same pass wri
 value: 2 bytes more per such parameter instead of a separate refresh pass reading the float32
 parameter again (4 + 2 bytes). The copy is the round-to-nearest cast ``p.to(bfloat16)`` makes.
 
-Scope: single-process training on plain, contiguous float32 tensors (parameters and moments),
-float32 or bf16 gradients. DTensor parameters (FSDP, expert parallelism) are refused: use the
-``fused`` implementation there.
+Scope: float32 parameters and moments, float32 or bf16 gradients, contiguous; plain tensors or
+DTensors (FSDP2 and expert-parallel shards: the update is elementwise, so each rank updates its
+local shard; the moments are DTensors like the parameters, as torch's AdamW keeps them, so
+distributed checkpoints hold the same state). Shadows are for plain tensors (one process).
 """
 
 from __future__ import annotations
@@ -116,6 +117,11 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     )
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a view: updated in place), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 class TritonAdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` whose step runs :func:`adamw_step_` on each parameter.
 
@@ -133,12 +139,10 @@ class TritonAdamW(torch.optim.AdamW):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False, fused=False)
         for group in self.param_groups:
             for p in group["params"]:
-                if type(p.data) is not torch.Tensor:
-                    raise TypeError(f"TritonAdamW updates plain tensors; got a {type(p.data).__name__} parameter "
-                                    "(FSDP or expert parallelism): use [optimizer] implementation = \"fused\"")
-                if p.dtype != torch.float32 or not p.is_contiguous():
-                    raise TypeError(f"TritonAdamW needs contiguous float32 parameters, got {p.dtype} "
-                                    f"{tuple(p.shape)} contiguous={p.is_contiguous()}")
+                local = _local(p.data)
+                if p.dtype != torch.float32 or not local.is_contiguous():
+                    raise TypeError(f"TritonAdamW needs contiguous float32 parameters (local shards), got {p.dtype} "
+                                    f"{tuple(local.shape)} contiguous={local.is_contiguous()}")
         self._shadows: dict[int, torch.Tensor] = {}  # id(parameter) -> its bf16 shadow
         self._grad_from_shadow: set[int] = set()  # ids of parameters whose gradient is their shadow's .grad
 
@@ -150,6 +154,9 @@ class TritonAdamW(torch.optim.AdamW):
         :meth:`zero_grad` clears with the parameters' gradients."""
         if not any(param is q for g in self.param_groups for q in g["params"]):
             raise ValueError(f"attach_shadow: the parameter {tuple(param.shape)} is not one this optimizer updates")
+        if type(param.data) is not torch.Tensor:
+            raise TypeError(f"attach_shadow: shadows are for plain tensors (one process); got a "
+                            f"{type(param.data).__name__} parameter")
         if shadow.dtype != torch.bfloat16 or shadow.shape != param.shape or not shadow.is_contiguous() \
                 or shadow.device != param.device:
             raise ValueError(f"attach_shadow: the shadow must be a contiguous bf16 tensor of shape "
@@ -208,7 +215,8 @@ class TritonAdamW(torch.optim.AdamW):
                 elif state["step"].device.type != "cpu":
                     state["step"] = state["step"].cpu()  # loaded from a fused AdamW: one copy, then on the CPU
                 state["step"] += 1
-                adamw_step_(p, grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], lr=float(group["lr"]),
+                adamw_step_(_local(p), _local(grad).contiguous(), _local(state["exp_avg"]),
+                            _local(state["exp_avg_sq"]), lr=float(group["lr"]),
                             beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                             step=int(state["step"].item()), grad_scale=grad_scale,
                             shadow=self._shadows.get(id(p)))

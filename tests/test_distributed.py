@@ -175,6 +175,8 @@ LAYOUTS = {
     # Fused AdamW with the clip coefficient folded into its grad_scale, on DTensor parameters of two meshes.
     "dp_shard2_x_ep2_fused_adamw": (4, ["--parallelism.expert_parallel_degree", "2", "--optimizer.implementation",
                                         "fused"]),
+    # The Triton AdamW on the local shards of DTensor parameters of both meshes (clip folded in).
+    "ep2_triton_adamw": (2, ["--parallelism.expert_parallel_degree", "2", "--optimizer.implementation", "triton"]),
     "ep4_chunks3": (4, ["--parallelism.expert_parallel_degree", "4", "--parallelism.expert_capacity_factor", "4",
                         "--parallelism.expert_parallel_chunks", "3"]),
     "ep2_chunks_over_tokens": (2, ["--parallelism.expert_parallel_degree", "2", "--parallelism.expert_parallel_chunks",
@@ -187,7 +189,8 @@ def test_layout_matches_single_process(layout, reference, tmp_path):
     world, args = LAYOUTS[layout]
     got = spawn(world, args, reference["init"], str(tmp_path / "out.pt"))
     if "mega" in args or "--training.loss_chunk_size" in args or layout in ("ep2_chunks_over_tokens",
-                                                                            "dp_shard2_x_ep2_fused_adamw"):
+                                                                            "dp_shard2_x_ep2_fused_adamw",
+                                                                            "ep2_triton_adamw"):
         # Another backend, the chunked loss, expert GEMMs on one row at a time (one-token EP
         # chunks) or fused AdamW (vs the reference's foreach) round differently from the reference run; Adam's first steps amplify that on
         # near-zero gradients (seen: 1 of 65536 weights off by 1.6e-5; one-token chunks: 2 of 16384
