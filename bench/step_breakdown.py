@@ -153,8 +153,10 @@ def _length(spans: list[tuple[float, float]]) -> float:
     return sum(e - s for s, e in spans)
 
 
-def breakdown(trace: dict[str, Any] | list, steps: int, vocab_min: int = 100_000, top: int = 25) -> dict[str, Any]:
-    """Per-part GPU ms per step, the step's wall and idle ms, and the ``top`` kernels by time."""
+def breakdown(trace: dict[str, Any] | list, steps: int, vocab_min: int = 100_000, top: int = 25,
+              top_gaps: int = 10) -> dict[str, Any]:
+    """Per-part GPU ms per step, the step's wall and idle ms, the ``top`` kernels by time and the
+    ``top_gaps`` largest idle gaps by the kernels around them."""
     events = [e for e in _events(trace) if e.get("ph") == "X"]
     cpu = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation")]
     ops_by_ext = {e["args"]["External id"]: e for e in cpu if "External id" in e.get("args", {})}
@@ -201,6 +203,20 @@ def breakdown(trace: dict[str, Any] | list, steps: int, vocab_min: int = 100_000
     comm_exposed = _length(comm) - _length(_intersection(comm, compute))
     ms = 1e-3 / steps
     kernels = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]
+    # Where the GPU idles: every gap between busy spans, charged to the (kernel before, kernel after)
+    # pair around it and summed over the steps, so a recurring bubble (a host sync, a launch-bound
+    # stretch) shows up by its neighbours.
+    gaps: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    end, last = None, None
+    for i in sorted(range(len(gpu)), key=lambda i: gpu[i]["ts"]):
+        k = gpu[i]
+        if end is not None and k["ts"] > end:
+            entry = gaps[(f"{parts[last]}: {gpu[last]['name']}", f"{parts[i]}: {k['name']}")]
+            entry[0] += k["ts"] - end
+            entry[1] += 1
+        if end is None or k["ts"] + k["dur"] > end:
+            end, last = k["ts"] + k["dur"], i
+    idle_gaps = sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top_gaps]
     return {
         "steps": steps,
         "wall_ms": wall * ms,
@@ -210,6 +226,7 @@ def breakdown(trace: dict[str, Any] | list, steps: int, vocab_min: int = 100_000
         "comm_exposed_ms": comm_exposed * ms,
         "parts_ms": {p: per_part.get(p, 0.0) * ms for p in PARTS},
         "top_kernels": [{"part": p, "name": n, "ms": t * ms, "calls": c / steps} for (p, n), (t, c) in kernels],
+        "idle_gaps": [{"after": a, "before": b, "ms": t * ms, "count": c / steps} for (a, b), (t, c) in idle_gaps],
     }
 
 
@@ -226,6 +243,12 @@ def markdown(report: dict[str, Any]) -> str:
     for k in report["top_kernels"]:
         name = k["name"] if len(k["name"]) <= 90 else k["name"][:87] + "..."
         lines.append(f"| `{name}` | {k['part']} | {k['ms']:.2f} | {k['calls']:g} |")
+    if report.get("idle_gaps"):
+        cut = lambda n: n if len(n) <= 70 else n[:67] + "..."  # noqa: E731
+        lines += ["", "Idle gaps by the kernels around them:", "",
+                  "| after | before | idle ms / step | gaps / step |", "| --- | --- | ---: | ---: |"]
+        for g in report["idle_gaps"]:
+            lines.append(f"| `{cut(g['after'])}` | `{cut(g['before'])}` | {g['ms']:.3f} | {g['count']:g} |")
     return "\n".join(lines)
 
 

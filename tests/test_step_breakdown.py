@@ -69,6 +69,15 @@ def test_breakdown_classifies_and_accounts_every_microsecond():
     assert sum(k["ms"] for k in report["top_kernels"]) == pytest.approx(sum(parts.values()))
     md = SB.markdown(report)
     assert "| moe | 0.05 |" in md and "| idle |" in md
+    # The gaps by their neighbours, largest first, summing to the idle time.
+    gaps = report["idle_gaps"]
+    assert sum(g["ms"] for g in gaps) == pytest.approx(report["idle_ms"])
+    assert [round(g["ms"] * 1e3) for g in gaps] == [5, 5, 3, 2]
+    assert (gaps[2]["after"], gaps[2]["before"]) == ("cast: triton_poi_fused__to_copy_3",
+                                                    "attention: cudnn_generated_fort_native_sdpa_sm90_flash_fprop")
+    assert {gaps[0]["after"], gaps[1]["after"]} == {"optimizer: void at::native::multi_tensor_apply_kernel<...>",
+                                                    "memory: Memcpy HtoD (Pageable -> Device)"}
+    assert "Idle gaps by the kernels around them" in md
 
 
 def test_steps_divide_and_cli(tmp_path, capsys):
