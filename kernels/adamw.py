@@ -200,24 +200,24 @@ class TritonAdamW(torch.optim.AdamW):
             grad_scale = grad_scale.float().reshape(1)
         if getattr(self, "found_inf", None) is not None:
             raise NotImplementedError("TritonAdamW does not skip steps on found_inf (no fp16 GradScaler support)")
-        for group in self.param_groups:
+        work = [(p, grad, group) for group in self.param_groups for p in group["params"]
+                if (grad := self._grad(p)) is not None]
+        # Largest tensors first: while the GPU runs their long passes the host launches the small
+        # ones (norm weights), instead of the GPU idling between launches of tiny kernels.
+        work.sort(key=lambda item: -item[0].numel())
+        for p, grad, group in work:
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                grad = self._grad(p)
-                if grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    # torch's AdamW state layout: a float32 step count on the CPU (no device sync to read it).
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                elif state["step"].device.type != "cpu":
-                    state["step"] = state["step"].cpu()  # loaded from a fused AdamW: one copy, then on the CPU
-                state["step"] += 1
-                adamw_step_(_local(p), _local(grad).contiguous(), _local(state["exp_avg"]),
-                            _local(state["exp_avg_sq"]), lr=float(group["lr"]),
-                            beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                            step=int(state["step"].item()), grad_scale=grad_scale,
-                            shadow=self._shadows.get(id(p)))
+            state = self.state[p]
+            if not state:
+                # torch's AdamW state layout: a float32 step count on the CPU (no device sync to read it).
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            elif state["step"].device.type != "cpu":
+                state["step"] = state["step"].cpu()  # loaded from a fused AdamW: one copy, then on the CPU
+            state["step"] += 1
+            adamw_step_(_local(p), _local(grad).contiguous(), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
+                        lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                        weight_decay=group["weight_decay"], step=int(state["step"].item()), grad_scale=grad_scale,
+                        shadow=self._shadows.get(id(p)))
         return loss
