@@ -146,6 +146,7 @@ class Trainer:
                                and not self.distributed and t.mixed_precision_param == "bfloat16"
                                and self.grad_accum_steps == 1)
         self.shadowed_linears = []
+        self.caches_in_optimizer = 0  # expert weight caches the optimizer writes (set below)
         self.loss_fn = build_loss_fn(cfg.compile.enable and cfg.compile.loss, cfg.compile.backend)
         self.optimizer = build_optimizer(model, cfg.optimizer, self.device.type)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, t.steps, cfg.lr_scheduler)

@@ -89,21 +89,6 @@ def _a_rows(sorted_slot_ptr, rows, rmask, safe_rows, K_TOP, GATHER: tl.constexpr
 
 
 @triton.jit
-def _scaled_kstep(a_ptrs, b_ptrs, as_ptrs, bs_ptrs, acc, kb, K, offs_k, EVEN_K: tl.constexpr):
-    """acc + dot(A_kb, B_kb) * sa * sb for scale block kb (pointers already at block kb)."""
-    if EVEN_K:
-        a = tl.load(a_ptrs)
-        b = tl.load(b_ptrs)
-    else:
-        kmask = offs_k + kb * 128 < K
-        a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
-    sa = tl.load(as_ptrs)
-    sb = tl.load(bs_ptrs)
-    return acc + tl.dot(a, b) * sa[:, None] * sb[None, :]
-
-
-@triton.jit
 def _load_kblock(a_ptrs, b_ptrs, as_ptrs, bs_ptrs, kb, K, offs_k, EVEN_K: tl.constexpr):
     """A's and B's 128-wide K block kb and their scales (pointers already at block kb)."""
     if EVEN_K:
@@ -114,6 +99,13 @@ def _load_kblock(a_ptrs, b_ptrs, as_ptrs, bs_ptrs, kb, K, offs_k, EVEN_K: tl.con
         a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
     return a, b, tl.load(as_ptrs), tl.load(bs_ptrs)
+
+
+@triton.jit
+def _scaled_kstep(a_ptrs, b_ptrs, as_ptrs, bs_ptrs, acc, kb, K, offs_k, EVEN_K: tl.constexpr):
+    """acc + dot(A_kb, B_kb) * sa * sb for scale block kb (pointers already at block kb)."""
+    a, b, sa, sb = _load_kblock(a_ptrs, b_ptrs, as_ptrs, bs_ptrs, kb, K, offs_k, EVEN_K)
+    return acc + tl.dot(a, b) * sa[:, None] * sb[None, :]
 
 
 # LAG (``lag_promotion``): the K loop promotes block kb - 1's product into the fp32 accumulator after
@@ -268,12 +260,9 @@ def _fp8_gate_up_kernel(
         s1_prev = tl.zeros((BLOCK_N,), dtype=tl.float32)
         s3_prev = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for kb in range(0, DB):
+            # (x and its scales are loaded for each weight, as the plain loop's two ksteps do.)
             x, w1, sx, s1 = _load_kblock(x_ptrs, w1_ptrs, xs_ptrs, w1s_ptrs, kb, D, offs_k, EVEN_K)
-            if EVEN_K:
-                w3 = tl.load(w3_ptrs)
-            else:
-                w3 = tl.load(w3_ptrs, mask=(offs_k + kb * 128 < D)[:, None], other=0.0)
-            s3 = tl.load(w3s_ptrs)
+            _, w3, _, s3 = _load_kblock(x_ptrs, w3_ptrs, xs_ptrs, w3s_ptrs, kb, D, offs_k, EVEN_K)
             dg = tl.dot(x, w1)
             du = tl.dot(x, w3)
             acc_g = acc_g + dg_prev * sx_prev[:, None] * s1_prev[None, :]
