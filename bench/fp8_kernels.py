@@ -82,11 +82,19 @@ def _moe_inputs(T, D, F, E, top_k, device):
     return x, ids, s, *ws, torch.randn(T, D, device=device, dtype=torch.bfloat16)
 
 
+def _with_bf16_wgrad(fn, quantized, *args):
+    """The cached FP8 op with ``wgrad = "bf16"`` (the option is read at forward, kept for backward)."""
+    from kernels.mega_moe_fp8 import options
+
+    with options(wgrad="bf16"):
+        return fn(*args, quantized=quantized)
+
+
 def time_moe_ops(T=16384, top_k=8, E=128, shapes=SHAPES, iters=20, device="cuda", timer=None) -> list[str]:
     """Median ms of the whole MoE op, forward and forward + backward: bf16 ``mega``, ``mega_fp8``
     quantizing its weights per call, and ``mega_fp8`` as the trainer runs it with the expert weight
     cache (``cached``: e4m3 copies made beforehand, float32 master weights as gradient carriers,
-    their gradients written in float32).
+    their gradients written in float32), the latter also with ``wgrad = "bf16"``.
 
     ``timer(fn, iters)`` returns ms (default: CUDA events, :func:`bench.timing.time_ms`); the tests run
     this at a tiny size on CPU with a wall clock to exercise the code paths.
@@ -103,6 +111,8 @@ def time_moe_ops(T=16384, top_k=8, E=128, shapes=SHAPES, iters=20, device="cuda"
             "mega_fp8": (get_moe_backend("mega_fp8"), (w1, w3, w2)),
             "cached": (functools.partial(get_moe_backend("mega_fp8"), quantized=quantized),
                        (w1.float(), w3.float(), w2.float())),
+            "cached_bf16_wgrad": (functools.partial(_with_bf16_wgrad, get_moe_backend("mega_fp8"), quantized),
+                                  (w1.float(), w3.float(), w2.float())),
         }
         flops = 2 * T * top_k * D * F * 3  # forward: gate, up, down
         ms = {}
@@ -118,11 +128,13 @@ def time_moe_ops(T=16384, top_k=8, E=128, shapes=SHAPES, iters=20, device="cuda"
 
             ms[label] = (timer(fwd, iters), timer(fwd_bwd, iters))
         (f16, fb16), (f8, fb8), (fc, fbc) = ms["mega"], ms["mega_fp8"], ms["cached"]
+        fw, fbw = ms["cached_bf16_wgrad"]
         rows.append(
             f"{name:10s} T={T} top-{top_k} E={E}  fwd: mega {f16:7.3f} ms, mega_fp8 {f8:7.3f} ms "
             f"({flops / f8 / 1e9:5.0f} TFLOP/s, {f16 / f8:4.2f}x), cached {fc:7.3f} ms ({f16 / fc:4.2f}x)  "
             f"fwd+bwd: mega {fb16:7.3f} ms, mega_fp8 {fb8:7.3f} ms ({3 * flops / fb8 / 1e9:5.0f} TFLOP/s, "
-            f"{fb16 / fb8:4.2f}x), cached {fbc:7.3f} ms ({3 * flops / fbc / 1e9:5.0f} TFLOP/s, {fb16 / fbc:4.2f}x)"
+            f"{fb16 / fb8:4.2f}x), cached {fbc:7.3f} ms ({3 * flops / fbc / 1e9:5.0f} TFLOP/s, {fb16 / fbc:4.2f}x); "
+            f"cached with bf16 wgrad: fwd {fw:7.3f} ms, fwd+bwd {fbw:7.3f} ms ({fb16 / fbw:4.2f}x)"
         )
         print(rows[-1], flush=True)
     return rows
@@ -162,19 +174,16 @@ def sweep(T: int = 16384, top_k: int = 8, E: int = 128, D: int = 2048, F: int = 
             rows.append(f"{label:52s} failed: {type(exc).__name__}: {str(exc)[:60]}")
         print(rows[-1], flush=True)
 
-    # lag: the K loop's lagged promotion (kernels/fp8/grouped_gemm.py, LAG), against the plain loop.
-    for bm, warps, stages, lag in ((128, 8, 3, False), (128, 8, 4, False), (64, 4, 3, False), (64, 8, 3, False),
-                                   (64, 8, 3, True), (128, 8, 3, True), (64, 4, 3, True)):
+    for bm, warps, stages in ((64, 8, 3), (128, 8, 3), (64, 4, 3), (64, 4, 4), (128, 8, 4)):
         tiles = tile_table(offs, N, bm)
-        t(f"gate_up+quantA bm{bm} bn128 w{warps} s{stages}{' lag' if lag else ''}", lambda: G.fp8_gate_up_swiglu(
+        t(f"gate_up+quantA bm{bm} bn128 w{warps} s{stages}", lambda: G.fp8_gate_up_swiglu(
             xq, xs, w1q, w1s, w3q, w3s, slots, offs, top_k, quantize_a=True, store_a=False, tiles=tiles,
-            block_m=bm, num_warps=warps, num_stages=stages, lag_promotion=lag), 2 * flops)
-    for bm, bn, warps, stages, lag in ((128, 128, 8, 3, False), (128, 256, 8, 3, False), (64, 128, 4, 4, False),
-                                       (128, 128, 8, 3, True), (64, 128, 4, 4, True), (128, 256, 8, 3, True)):
+            block_m=bm, num_warps=warps, num_stages=stages), 2 * flops)
+    for bm, bn, warps, stages in ((64, 128, 4, 4), (64, 128, 4, 3), (128, 128, 8, 3), (128, 256, 8, 3)):
         tiles = tile_table(offs, N, bm)
-        t(f"down bm{bm} bn{bn} w{warps} s{stages}{' lag' if lag else ''}", lambda: G.fp8_grouped_gemm(
+        t(f"down bm{bm} bn{bn} w{warps} s{stages}", lambda: G.fp8_grouped_gemm(
             aq, as_, w2q, w2s, offs, tiles=tiles, block_m=bm, block_n=bn, num_warps=warps,
-            num_stages=stages, lag_promotion=lag), flops)
+            num_stages=stages), flops)
     # The backward's M-tiled FP8 kernels: dA' + SwiGLU backward (dh, its own kernel) and dX.
     from kernels.mega_moe_fp8 import backward as B
 

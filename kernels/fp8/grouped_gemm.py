@@ -89,8 +89,8 @@ def _a_rows(sorted_slot_ptr, rows, rmask, safe_rows, K_TOP, GATHER: tl.constexpr
 
 
 @triton.jit
-def _load_kblock(a_ptrs, b_ptrs, as_ptrs, bs_ptrs, kb, K, offs_k, EVEN_K: tl.constexpr):
-    """A's and B's 128-wide K block kb and their scales (pointers already at block kb)."""
+def _load_ab(a_ptrs, b_ptrs, kb, K, offs_k, EVEN_K: tl.constexpr):
+    """A's and B's 128-wide K block kb (pointers already at block kb)."""
     if EVEN_K:
         a = tl.load(a_ptrs)
         b = tl.load(b_ptrs)
@@ -98,23 +98,35 @@ def _load_kblock(a_ptrs, b_ptrs, as_ptrs, bs_ptrs, kb, K, offs_k, EVEN_K: tl.con
         kmask = offs_k + kb * 128 < K
         a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
-    return a, b, tl.load(as_ptrs), tl.load(bs_ptrs)
+    return a, b
 
 
 @triton.jit
-def _scaled_kstep(a_ptrs, b_ptrs, as_ptrs, bs_ptrs, acc, kb, K, offs_k, EVEN_K: tl.constexpr):
-    """acc + dot(A_kb, B_kb) * sa * sb for scale block kb (pointers already at block kb)."""
-    a, b, sa, sb = _load_kblock(a_ptrs, b_ptrs, as_ptrs, bs_ptrs, kb, K, offs_k, EVEN_K)
-    return acc + tl.dot(a, b) * sa[:, None] * sb[None, :]
+def _kscales(as_base, bs_base, kb, KB):
+    """The scales of K block min(kb, KB - 1): A's (BLOCK_M,) row scales and B's block scale(s),
+    a scalar or a (BLOCK_N,) vector depending on ``bs_base``. Clamped so that the prefetch past the
+    last block reads a valid address."""
+    k = tl.minimum(kb, KB - 1)
+    return tl.load(as_base + k), tl.load(bs_base + k)
 
 
-# LAG (``lag_promotion``): the K loop promotes block kb - 1's product into the fp32 accumulator after
-# issuing block kb's dot, instead of right after its own. Why: each 128-wide block's dot starts from
-# zero and its result is scaled and added on the CUDA cores (BLOCK_M x BLOCK_N FMAs per block, at
-# ~1/30 of the FP8 tensor-core rate: counted up to ~50% extra time when nothing overlaps it), and
-# the add right after the dot makes the warps wait for the tensor cores. Lagging by one block lets
-# the promotion overlap the next block's wgmma if the compiler keeps that wgmma in flight (DeepGEMM
-# overlaps it with warp specialization). Same additions in the same order: bitwise the plain loop.
+@triton.jit
+def _promote(acc, d, sa, sb, SCALAR_B: tl.constexpr):
+    """acc + d * sa[:, None] * sb[None, :]: one FMA per element when B's scale is one scalar for
+    the tile (128-wide N tiles lie in one 128 x 128 weight block), else two multiplies and an add."""
+    if SCALAR_B:
+        return acc + d * (sa * sb)[:, None]
+    else:
+        return acc + d * sa[:, None] * sb[None, :]
+
+
+# The scales are PREFETCHED one K block ahead (loaded in the iteration before their use). Why: they
+# are small strided gathers (one fp32 per row, one per weight block) that Triton's pipeliner does
+# not stage through shared memory, so loaded in the iteration that uses them each costs a full
+# global-memory latency inside the loop; ncu on the 30B gate/up kernel put ~45% of its warp stalls
+# on them ("long scoreboard", Run 19), and this GEMM without scales ran 1.45x faster. Issued a block
+# ahead, their latency hides under the block's loads and wgmma. (A lagged promotion, block kb-1's
+# product added after block kb's dot, was measured slower: Triton waits for each wgmma anyway.)
 
 
 @triton.jit
@@ -140,7 +152,6 @@ def _fp8_gemm_kernel(
     WEIGHTED: tl.constexpr,
     EVEN_K: tl.constexpr,
     SOFT: tl.constexpr,
-    LAG: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -159,31 +170,21 @@ def _fp8_gemm_kernel(
     offs_k = tl.arange(0, 128)
     a_ptrs = a_ptr + src[:, None] * K + offs_k[None, :]
     b_ptrs = b_ptr + e64 * N * K + offs_n_ld.to(tl.int64)[None, :] * K + offs_k[:, None]  # (128, BN)
-    as_ptrs = as_ptr + src * KB
-    bs_ptrs = bs_ptr + (e64 * NB + offs_n_ld // 128) * KB
+    as_base = as_ptr + src * KB
+    if BLOCK_N == 128:  # the tile's columns lie in one weight scale block: one scale per K block
+        bs_base = bs_ptr + (e64 * NB + pid_n) * KB
+    else:
+        bs_base = bs_ptr + (e64 * NB + offs_n_ld // 128) * KB
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if LAG:
-        d_prev = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        sa_prev = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        sb_prev = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for kb in range(0, KB):
-            a, b, sa, sb = _load_kblock(a_ptrs, b_ptrs, as_ptrs, bs_ptrs, kb, K, offs_k, EVEN_K)
-            d = tl.dot(a, b)
-            acc = acc + d_prev * sa_prev[:, None] * sb_prev[None, :]
-            d_prev, sa_prev, sb_prev = d, sa, sb
-            a_ptrs += 128
-            b_ptrs += 128
-            as_ptrs += 1
-            bs_ptrs += 1
-        acc = acc + d_prev * sa_prev[:, None] * sb_prev[None, :]
-    else:
-        for kb in range(0, KB):
-            acc = _scaled_kstep(a_ptrs, b_ptrs, as_ptrs, bs_ptrs, acc, kb, K, offs_k, EVEN_K)
-            a_ptrs += 128
-            b_ptrs += 128
-            as_ptrs += 1
-            bs_ptrs += 1
+    sa, sb = _kscales(as_base, bs_base, 0, KB)
+    for kb in range(0, KB):
+        a, b = _load_ab(a_ptrs, b_ptrs, kb, K, offs_k, EVEN_K)
+        sa_next, sb_next = _kscales(as_base, bs_base, kb + 1, KB)
+        acc = _promote(acc, tl.dot(a, b), sa, sb, BLOCK_N == 128)
+        sa, sb = sa_next, sb_next
+        a_ptrs += 128
+        b_ptrs += 128
 
     if SCATTER:
         # Combine epilogue: each row goes straight to its (token, k) slot, scaled there in fp32
@@ -224,7 +225,6 @@ def _fp8_gate_up_kernel(
     QUANT_A: tl.constexpr,
     POW2: tl.constexpr,
     SOFT: tl.constexpr,
-    LAG: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(F, BLOCK_N)
@@ -243,49 +243,32 @@ def _fp8_gate_up_kernel(
     offs_k = tl.arange(0, 128)
     x_ptrs = x_ptr + src[:, None] * D + offs_k[None, :]
     w_off = e64 * F * D + offs_n_ld.to(tl.int64)[None, :] * D + offs_k[:, None]
-    ws_off = (e64 * FB + offs_n_ld // 128) * DB
     w1_ptrs = w1_ptr + w_off
     w3_ptrs = w3_ptr + w_off
-    xs_ptrs = xs_ptr + src * DB
-    w1s_ptrs = w1s_ptr + ws_off
-    w3s_ptrs = w3s_ptr + ws_off
+    xs_base = xs_ptr + src * DB
+    if BLOCK_N == 128:  # one weight scale block per tile and K block
+        ws_off = (e64 * FB + pid_n) * DB
+    else:
+        ws_off = (e64 * FB + offs_n_ld // 128) * DB
+    w1s_base = w1s_ptr + ws_off
+    w3s_base = w3s_ptr + ws_off
 
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if LAG:
-        # Both dots of block kb issued, then block kb - 1's two products promoted (see LAG above).
-        dg_prev = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        du_prev = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        sx_prev = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        s1_prev = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        s3_prev = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for kb in range(0, DB):
-            # (x and its scales are loaded for each weight, as the plain loop's two ksteps do.)
-            x, w1, sx, s1 = _load_kblock(x_ptrs, w1_ptrs, xs_ptrs, w1s_ptrs, kb, D, offs_k, EVEN_K)
-            _, w3, _, s3 = _load_kblock(x_ptrs, w3_ptrs, xs_ptrs, w3s_ptrs, kb, D, offs_k, EVEN_K)
-            dg = tl.dot(x, w1)
-            du = tl.dot(x, w3)
-            acc_g = acc_g + dg_prev * sx_prev[:, None] * s1_prev[None, :]
-            acc_u = acc_u + du_prev * sx_prev[:, None] * s3_prev[None, :]
-            dg_prev, du_prev, sx_prev, s1_prev, s3_prev = dg, du, sx, s1, s3
-            x_ptrs += 128
-            w1_ptrs += 128
-            w3_ptrs += 128
-            xs_ptrs += 1
-            w1s_ptrs += 1
-            w3s_ptrs += 1
-        acc_g = acc_g + dg_prev * sx_prev[:, None] * s1_prev[None, :]
-        acc_u = acc_u + du_prev * sx_prev[:, None] * s3_prev[None, :]
-    else:
-        for kb in range(0, DB):
-            acc_g = _scaled_kstep(x_ptrs, w1_ptrs, xs_ptrs, w1s_ptrs, acc_g, kb, D, offs_k, EVEN_K)
-            acc_u = _scaled_kstep(x_ptrs, w3_ptrs, xs_ptrs, w3s_ptrs, acc_u, kb, D, offs_k, EVEN_K)
-            x_ptrs += 128
-            w1_ptrs += 128
-            w3_ptrs += 128
-            xs_ptrs += 1
-            w1s_ptrs += 1
-            w3s_ptrs += 1
+    # Scales prefetched one K block ahead (see _promote's note).
+    sx, s1 = _kscales(xs_base, w1s_base, 0, DB)
+    s3 = tl.load(w3s_base)
+    for kb in range(0, DB):
+        x, w1 = _load_ab(x_ptrs, w1_ptrs, kb, D, offs_k, EVEN_K)
+        _, w3 = _load_ab(x_ptrs, w3_ptrs, kb, D, offs_k, EVEN_K)
+        sx_next, s1_next = _kscales(xs_base, w1s_base, kb + 1, DB)
+        s3_next = tl.load(w3s_base + tl.minimum(kb + 1, DB - 1))
+        acc_g = _promote(acc_g, tl.dot(x, w1), sx, s1, BLOCK_N == 128)
+        acc_u = _promote(acc_u, tl.dot(x, w3), sx, s3, BLOCK_N == 128)
+        sx, s1, s3 = sx_next, s1_next, s3_next
+        x_ptrs += 128
+        w1_ptrs += 128
+        w3_ptrs += 128
 
     dtype = h_ptr.dtype.element_ty
     gate = cast_out(acc_g, dtype, SOFT)
@@ -340,7 +323,6 @@ def fp8_grouped_gemm(
     slot_weights_N: torch.Tensor | None = None,
     num_warps: int = 4,  # Run 12 sweep
     num_stages: int = 4,
-    lag_promotion: bool = False,
 ) -> torch.Tensor:
     """out[r] = dequant(A)[src(r)] @ dequant(B)[e(r)]^T for the expert-sorted rows r.
 
@@ -394,7 +376,7 @@ def fp8_grouped_gemm(
         slot_weights_N if slot_weights_N is not None else a_s,
         offsets_E1, tiles, n_tiles, top_k, N, K,
         BLOCK_M=bm, BLOCK_N=bn, GATHER=sorted_slot_N is not None, SCATTER=out_slot_N is not None,
-        WEIGHTED=slot_weights_N is not None, EVEN_K=K % TILE == 0, SOFT=interpreting(), LAG=lag_promotion,
+        WEIGHTED=slot_weights_N is not None, EVEN_K=K % TILE == 0, SOFT=interpreting(),
         num_warps=num_warps if not interpreting() else 4, num_stages=num_stages,
     )  # fmt: skip
     return out
@@ -418,7 +400,6 @@ def fp8_gate_up_swiglu(
     store_a: bool = True,
     num_warps: int = 8,  # Run 12 sweep: 8 warps at 64 rows (two accumulators)
     num_stages: int = 3,
-    lag_promotion: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
     """FP8 gathered gate/up GEMM with the SwiGLU epilogue (FP8 twin of ``forward.gate_up``).
 
@@ -501,7 +482,11 @@ def _fp8_wgrad_kernel(
     offs_r = tl.arange(0, 128)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # One 128-row tile of the expert per step: the scale block of both operands. An expert with
-    # no rows runs no step and stores zeros.
+    # no rows runs no step and stores zeros. Scales prefetched one step ahead (see _promote's
+    # note); the first load is clamped to a valid tile for an expert with none.
+    t_first = tl.minimum(t0, tl.maximum(num_tiles - 1, 0))
+    sa = tl.load(ats_ptr + offs_m_ld * num_tiles + t_first)
+    sb = tl.load(bts_ptr + offs_n_ld * num_tiles + t_first)
     for t in range(t0, t1):
         if PADDED:
             # Tile t owns columns [128 t, 128 t + 128), zero past the expert's rows: no mask, and
@@ -515,9 +500,11 @@ def _fp8_wgrad_kernel(
             rmask = rows < end
             a = tl.load(at_ptr + offs_m_ld[:, None] * LD + rows[None, :], mask=rmask[None, :], other=0.0)
             b = tl.load(bt_ptr + offs_n_ld[None, :] * LD + rows[:, None], mask=rmask[:, None], other=0.0)
-        sa = tl.load(ats_ptr + offs_m_ld * num_tiles + t)
-        sb = tl.load(bts_ptr + offs_n_ld * num_tiles + t)
-        acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+        t_next = tl.minimum(t + 1, t1 - 1)
+        sa_next = tl.load(ats_ptr + offs_m_ld * num_tiles + t_next)
+        sb_next = tl.load(bts_ptr + offs_n_ld * num_tiles + t_next)
+        acc = _promote(acc, tl.dot(a, b), sa, sb, False)
+        sa, sb = sa_next, sb_next
 
     out_off = expert.to(tl.int64) * M * NCOL + offs_m.to(tl.int64)[:, None] * NCOL + offs_n[None, :]
     omask = (offs_m < M)[:, None] & (offs_n < NCOL)[None, :]

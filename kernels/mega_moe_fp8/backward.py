@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8.grouped_gemm import _scaled_kstep, fp8_grouped_gemm, fp8_wgrad
+from kernels.fp8.grouped_gemm import _kscales, _load_ab, _promote, fp8_grouped_gemm, fp8_wgrad
 from kernels.fp8.quant import (
     FP8,
     TILE,
@@ -119,15 +119,18 @@ def _fp8_dh_kernel(
     offs_k = tl.arange(0, 128)
     a_ptrs = dy_ptr + tok[:, None] * D + offs_k[None, :]
     b_ptrs = w2t_ptr + e64 * F * D + offs_n_ld.to(tl.int64)[None, :] * D + offs_k[:, None]
-    as_ptrs = dys_ptr + tok * DB
-    bs_ptrs = w2ts_ptr + (e64 * FB + offs_n_ld // 128) * DB
+    as_base = dys_ptr + tok * DB
+    bs_base = w2ts_ptr + (e64 * FB + pid_n) * DB  # one weight scale block per tile and K block
     acc = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
+    # Scales prefetched one K block ahead (kernels/fp8/grouped_gemm.py, _promote's note).
+    sa, sb = _kscales(as_base, bs_base, 0, DB)
     for kb in range(0, DB):
-        acc = _scaled_kstep(a_ptrs, b_ptrs, as_ptrs, bs_ptrs, acc, kb, D, offs_k, EVEN_K)
+        a, b = _load_ab(a_ptrs, b_ptrs, kb, D, offs_k, EVEN_K)
+        sa_next, sb_next = _kscales(as_base, bs_base, kb + 1, DB)
+        acc = _promote(acc, tl.dot(a, b), sa, sb, True)
+        sa, sb = sa_next, sb_next
         a_ptrs += 128
         b_ptrs += 128
-        as_ptrs += 1
-        bs_ptrs += 1
 
     # SwiGLU backward from H, as the bf16 kernel's epilogue does.
     s = tl.load(s_ptr + slot, mask=rmask, other=0.0)
