@@ -125,10 +125,7 @@ def _assert_tight(got, want, name, msg, magnitude=None, requantized=False):
         frac_bound = 0.25 if requantized else 2e-2
     assert rel < norm_bound, f"{name}: {rel:.2e} from the quantized-pipeline reference; {msg}"
     beyond = ((got - want).abs() > 2.0**-7 * mag + 1e-6 * want.abs().max()).sum().item()
-    # On the GPU one flipped entry is allowed however few there are: dtopk_weights at T 21, top-2 has
-    # 42 entries, so 2% allowed none (seed 3358255015 flipped one on the H200, Run 19).
-    allowed = max(frac_bound * got.numel(), 1) if _HAS_CUDA else frac_bound * got.numel()
-    assert beyond < allowed or beyond == allowed == 1, (
+    assert beyond < frac_bound * got.numel(), (
         f"{name}: {beyond} of {got.numel()} entries differ by more than a bf16 ulp; {msg}")
 
 
@@ -170,8 +167,12 @@ def _check(T, K, E, D, F, kind, outliers=False, wgrad="fp8", pow2=False, dh_quan
     _assert_tight(y, y_q, "y", msg, y_mag, requantized=True)
     n = int(offs[-1])  # rows past n are empty slots, never written
     _assert_tight(h[:n], h_q[:n], "H", msg)
-    *want, dx_mag = mega_moe_fp8_backward_ref(dy, x, s, w1, w3, w2, h, slots, offs, wgrad, pow2, with_magnitude=True)
-    mags = (dx_mag, None, None, None, None)
+    *want, dx_mag, ds_mag = mega_moe_fp8_backward_ref(dy, x, s, w1, w3, w2, h, slots, offs, wgrad, pow2,
+                                                      with_magnitude=True)
+    # dtopk_weights sums dA' * act over F, terms that cancel: an ulp is taken of their magnitude (on
+    # the H200, where dA' carries the FP8 MMA's ~14-bit accumulation, 1-3 of 42 entries were beyond
+    # an ulp of the cancelled sum itself at T 21, D 200: Run 19).
+    mags = (dx_mag, None, None, None, ds_mag)
     for name, g, w, m in zip(("x", "w1", "w3", "w2", "topk_weights"), (grads[0], *grads[2:], grads[1]), want, mags):
         _assert_tight(g, w, f"d{name}", msg, m, requantized=name != "topk_weights")
 

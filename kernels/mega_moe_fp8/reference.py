@@ -73,7 +73,8 @@ def mega_moe_fp8_forward_ref(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD,
 def mega_moe_fp8_backward_ref(dy_TD, x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, h_N2F, sorted_slot_N,
                               offsets_E1, wgrad="fp8", pow2_scales=False, with_magnitude=False):
     """Reference of ``mega_moe_fp8::backward``: (dx_TD, dw1_EFD, dw3_EFD, dw2_EDF, dtopk_weights_TK),
-    and with ``with_magnitude`` a sixth tensor, sum_k |slot row| of dx (``_valid_slot_abs_sum``).
+    and with ``with_magnitude`` two more: sum_k |slot row| of dx (``_valid_slot_abs_sum``) and, per
+    slot, sum_f |dA' * act| (the terms of dtopk_weights, which cancel).
 
     ``wgrad="bf16"``: weight grads in float64 from the unquantized dH, x, dy and s * A (the bf16
     mega kernels compute the same products with fp32 accumulation).
@@ -96,6 +97,7 @@ def mega_moe_fp8_backward_ref(dy_TD, x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_E
     sig = torch.sigmoid(g)
     act = g * sig * u
     ds_TK = _by_slot(pad((da * act).sum(1)), sorted_slot_N).float().view(T, K)
+    ds_mag_TK = _by_slot(pad((da * act).abs().sum(1)), sorted_slot_N).float().view(T, K) if with_magnitude else None
     dgate = pad((da * s_n1 * u * sig * (1 + g * (1 - sig))).to(dtype))
     dup = pad((da * s_n1 * g * sig).to(dtype))
 
@@ -128,4 +130,4 @@ def mega_moe_fp8_backward_ref(dy_TD, x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_E
             dw1[e], dw3[e] = dgate[r].double().t() @ xg[r], dup[r].double().t() @ xg[r]
             dw2[e] = dyg[r].t() @ sa[r].double()
     out = (dx_TD, dw1.to(dtype), dw3.to(dtype), dw2.to(dtype), ds_TK)
-    return out + (dx_mag_TD,) if with_magnitude else out
+    return out + (dx_mag_TD, ds_mag_TK) if with_magnitude else out
