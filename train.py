@@ -63,17 +63,11 @@ def check_implemented(cfg: JobConfig) -> None:
                           f"(backend {name!r}) is not implemented yet; set [quantize] moe = \"none\" (bf16)")
     on_gpu = cfg.training.device != "cpu" and torch.cuda.is_available()
     if name == "mega_fp8" and on_gpu:
-        # Correct on the H200 (its GPU tests pass, session 3) but not yet fast: say so at start.
+        # Correct on the H200 (its GPU tests pass) but not yet fast: say so at start.
         print("warning: [quantize] moe = \"fp8_blockwise\" (the FP8 mega kernels) is correct but still slower "
-              "than bf16 mega on the H200 (whole op 12.2 vs 8.7 ms at the 30B shape with cached weights, "
-              "BENCHMARKS Run 15; issue 6); for speed use [quantize] moe = \"none\"",
+              "than bf16 mega on the H200 (whole op 11.3 vs 8.7 ms at the 30B shape with cached weights, "
+              "BENCHMARKS Run 20; issue 6); for speed use [quantize] moe = \"none\"",
               file=sys.stderr, flush=True)
-    if cfg.quantize.linear == "fp8_rowwise" and on_gpu:
-        # Its first (autograd.Function) version trained wrongly on CUDA; the custom-op version that
-        # replaced it passed on CPU only so far: say so until a GPU run has checked it.
-        print("warning: [quantize] linear = \"fp8_rowwise\" is not yet verified on a GPU since its fix (BENCHMARKS "
-              "Run 18: the earlier version's compiled gradients were zero on CUDA); check it first with "
-              "`pytest tests/test_float8_linear.py -k cuda`", file=sys.stderr, flush=True)
 
 
 def resolve_device(choice: str) -> torch.device:

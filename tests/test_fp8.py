@@ -558,3 +558,13 @@ def test_gpu_gate_up_at_30b_shape():
     rel = ((h[:, :F].double() - g).norm() / g.norm()).item()
     assert rel < 4e-3, f"seed {seed}: vs dequantized reference {rel}"
     _assert_same_q((aq, as_), Q.quantize_rowwise(a), f"seed {seed}: fused A quantization")
+
+
+def test_gemm_variants_bench_kernel():
+    """bench/fp8_gemm_variants.py's kernel (Run 19's exploration of the K loop) computes the GEMM in
+    every non-TMA mode: bf16-output rounding from the dequantized reference."""
+    from bench.fp8_gemm_variants import cpu_check
+
+    seed = _seed()
+    errors = cpu_check(seed)
+    assert len(errors) == 10 and all(e < 1e-2 for e in errors.values()), f"seed {seed}: {errors}"

@@ -120,13 +120,14 @@ def _promote(acc, d, sa, sb, SCALAR_B: tl.constexpr):
         return acc + d * sa[:, None] * sb[None, :]
 
 
-# The scales are PREFETCHED one K block ahead (loaded in the iteration before their use). Why: they
-# are small strided gathers (one fp32 per row, one per weight block) that Triton's pipeliner does
-# not stage through shared memory, so loaded in the iteration that uses them each costs a full
-# global-memory latency inside the loop; ncu on the 30B gate/up kernel put ~45% of its warp stalls
-# on them ("long scoreboard", Run 19), and this GEMM without scales ran 1.45x faster. Issued a block
-# ahead, their latency hides under the block's loads and wgmma. (A lagged promotion, block kb-1's
-# product added after block kb's dot, was measured slower: Triton waits for each wgmma anyway.)
+# The promotion is the K loop's cost beyond the MMAs: the same kernel with no scales ran 1.45x
+# faster (30B down shape, 128 x 128 tiles, Run 19, bench/fp8_gemm_variants.py). One FMA per element
+# instead of two multiplies and an add took the down GEMM from 0.75 to 0.69 ms and gate/up + SwiGLU
+# from 1.94 to 1.62 ms (Runs 15 -> 19). The scales are loaded one K block ahead: ncu put 28% of the
+# gate/up kernel's warp samples on long-scoreboard stalls, half at the scale loads, but the
+# prefetch alone measured neutral (+-2%) on these pointer-based loops; it stays for TMA variants,
+# where it matched the unscaled kernel's time (0.53 ms, Run 19). A lagged promotion (block kb-1's
+# product added after block kb's dot) measured 2-8% slower: Triton waits for each wgmma anyway.
 
 
 @triton.jit
