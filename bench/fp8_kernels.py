@@ -94,11 +94,14 @@ def time_moe_ops(T=16384, top_k=8, E=128, shapes=SHAPES, iters=20, device="cuda"
     """Median ms of the whole MoE op, forward and forward + backward: bf16 ``mega``, ``mega_fp8``
     quantizing its weights per call, and ``mega_fp8`` as the trainer runs it with the expert weight
     cache (``cached``: e4m3 copies made beforehand, float32 master weights as gradient carriers,
-    their gradients written in float32), the latter also with ``wgrad = "bf16"``.
+    their gradients written in float32); the cached op also with ``wgrad = "bf16"`` and with the
+    options not yet on by default: TMA loads (``kernels.fp8.grouped_gemm.USE_TMA``), the split dH
+    (``kernels.mega_moe_fp8.backward.DH_SPLIT``) and both. Each row's ratio is bf16 ``mega`` / it.
 
     ``timer(fn, iters)`` returns ms (default: CUDA events, :func:`bench.timing.time_ms`); the tests run
     this at a tiny size on CPU with a wall clock to exercise the code paths.
     """
+    from kernels.mega_moe_fp8 import backward as B
     from kernels.mega_moe_fp8.weights import QuantizedExpertWeights
 
     timer = timer or time_ms
@@ -106,17 +109,22 @@ def time_moe_ops(T=16384, top_k=8, E=128, shapes=SHAPES, iters=20, device="cuda"
     for name, (D, F) in shapes.items():
         x, ids, s, w1, w3, w2, dy = _moe_inputs(T, D, F, E, top_k, device)
         quantized = QuantizedExpertWeights.quantize(w1, w3, w2)
+        cached = functools.partial(get_moe_backend("mega_fp8"), quantized=quantized)
+        master = (w1.float(), w3.float(), w2.float())
+        # label -> (op, weights, kernels.fp8.grouped_gemm.USE_TMA, backward.DH_SPLIT)
         variants = {
-            "mega": (get_moe_backend("mega"), (w1, w3, w2)),
-            "mega_fp8": (get_moe_backend("mega_fp8"), (w1, w3, w2)),
-            "cached": (functools.partial(get_moe_backend("mega_fp8"), quantized=quantized),
-                       (w1.float(), w3.float(), w2.float())),
-            "cached_bf16_wgrad": (functools.partial(_with_bf16_wgrad, get_moe_backend("mega_fp8"), quantized),
-                                  (w1.float(), w3.float(), w2.float())),
+            "mega (bf16)": (get_moe_backend("mega"), (w1, w3, w2), False, False),
+            "mega_fp8, weights quantized per call": (get_moe_backend("mega_fp8"), (w1, w3, w2), False, False),
+            "mega_fp8 cached": (cached, master, False, False),
+            "  + bf16 wgrad": (functools.partial(_with_bf16_wgrad, get_moe_backend("mega_fp8"), quantized),
+                               master, False, False),
+            "  + TMA": (cached, master, True, False),
+            "  + dH split": (cached, master, False, True),
+            "  + TMA + dH split": (cached, master, True, True),
         }
         flops = 2 * T * top_k * D * F * 3  # forward: gate, up, down
         ms = {}
-        for label, (fn, ws) in variants.items():
+        for label, (fn, ws, tma, split) in variants.items():
             leaves = [t.clone().requires_grad_() for t in (x, s, *ws)]
 
             def fwd(fn=fn, ws=ws):
@@ -126,17 +134,16 @@ def time_moe_ops(T=16384, top_k=8, E=128, shapes=SHAPES, iters=20, device="cuda"
             def fwd_bwd(fn=fn, leaves=leaves):
                 torch.autograd.grad(fn(leaves[0], ids, *leaves[1:]), leaves, dy)
 
-            ms[label] = (timer(fwd, iters), timer(fwd_bwd, iters))
-        (f16, fb16), (f8, fb8), (fc, fbc) = ms["mega"], ms["mega_fp8"], ms["cached"]
-        fw, fbw = ms["cached_bf16_wgrad"]
-        rows.append(
-            f"{name:10s} T={T} top-{top_k} E={E}  fwd: mega {f16:7.3f} ms, mega_fp8 {f8:7.3f} ms "
-            f"({flops / f8 / 1e9:5.0f} TFLOP/s, {f16 / f8:4.2f}x), cached {fc:7.3f} ms ({f16 / fc:4.2f}x)  "
-            f"fwd+bwd: mega {fb16:7.3f} ms, mega_fp8 {fb8:7.3f} ms ({3 * flops / fb8 / 1e9:5.0f} TFLOP/s, "
-            f"{fb16 / fb8:4.2f}x), cached {fbc:7.3f} ms ({3 * flops / fbc / 1e9:5.0f} TFLOP/s, {fb16 / fbc:4.2f}x); "
-            f"cached with bf16 wgrad: fwd {fw:7.3f} ms, fwd+bwd {fbw:7.3f} ms ({fb16 / fbw:4.2f}x)"
-        )
-        print(rows[-1], flush=True)
+            G.USE_TMA, B.DH_SPLIT = tma, split  # read at each launch, forward and backward
+            try:
+                ms[label] = (timer(fwd, iters), timer(fwd_bwd, iters))
+            finally:
+                G.USE_TMA, B.DH_SPLIT = False, False
+        f16, fb16 = ms["mega (bf16)"]
+        rows.append(f"{name} T={T} top-{top_k} E={E}: fwd ms, fwd+bwd ms (fwd+bwd TFLOP/s, bf16 mega / it)")
+        for label, (f, fb) in ms.items():
+            rows.append(f"  {label:38s} {f:8.3f} {fb:8.3f} ({3 * flops / fb / 1e9:5.0f} TFLOP/s, {fb16 / fb:4.2f}x)")
+        print("\n".join(rows[-len(ms) - 1:]), flush=True)
     return rows
 
 
@@ -174,16 +181,18 @@ def sweep(T: int = 16384, top_k: int = 8, E: int = 128, D: int = 2048, F: int = 
             rows.append(f"{label:52s} failed: {type(exc).__name__}: {str(exc)[:60]}")
         print(rows[-1], flush=True)
 
-    for bm, warps, stages in ((64, 8, 3), (128, 8, 3), (64, 4, 3), (64, 4, 4), (128, 8, 4)):
+    for bm, warps, stages, tma in ((64, 8, 3, False), (128, 8, 3, False), (64, 4, 3, False), (128, 8, 4, False),
+                                   (128, 8, 3, True), (64, 4, 3, True), (128, 8, 4, True)):
         tiles = tile_table(offs, N, bm)
-        t(f"gate_up+quantA bm{bm} bn128 w{warps} s{stages}", lambda: G.fp8_gate_up_swiglu(
+        t(f"gate_up+quantA bm{bm} bn128 w{warps} s{stages}{' tma' if tma else ''}", lambda: G.fp8_gate_up_swiglu(
             xq, xs, w1q, w1s, w3q, w3s, slots, offs, top_k, quantize_a=True, store_a=False, tiles=tiles,
-            block_m=bm, num_warps=warps, num_stages=stages), 2 * flops)
-    for bm, bn, warps, stages in ((64, 128, 4, 4), (64, 128, 4, 3), (128, 128, 8, 3), (128, 256, 8, 3)):
+            block_m=bm, num_warps=warps, num_stages=stages, tma=tma), 2 * flops)
+    for bm, bn, warps, stages, tma in ((64, 128, 4, 4, False), (64, 128, 4, 3, False), (128, 128, 8, 3, False),
+                                       (64, 128, 4, 3, True), (64, 128, 4, 4, True), (128, 128, 8, 3, True)):
         tiles = tile_table(offs, N, bm)
-        t(f"down bm{bm} bn{bn} w{warps} s{stages}", lambda: G.fp8_grouped_gemm(
+        t(f"down bm{bm} bn{bn} w{warps} s{stages}{' tma' if tma else ''}", lambda: G.fp8_grouped_gemm(
             aq, as_, w2q, w2s, offs, tiles=tiles, block_m=bm, block_n=bn, num_warps=warps,
-            num_stages=stages), flops)
+            num_stages=stages, tma=tma), flops)
     # The backward's M-tiled FP8 kernels: dA' + SwiGLU backward (dh, its own kernel) and dX.
     from kernels.mega_moe_fp8 import backward as B
 
@@ -195,13 +204,16 @@ def sweep(T: int = 16384, top_k: int = 8, E: int = 128, D: int = 2048, F: int = 
     for bm, warps, stages in ((64, 8, 3), (64, 4, 3), (64, 8, 4), (32, 4, 3), (128, 8, 3)):
         t(f"dh (dA' + SwiGLU bwd) bm{bm} w{warps} s{stages}", lambda: B.dh_swiglu(
             dyq, dys, w2t_q, w2t_s, h, s_TK, slots, offs, block_m=bm, num_warps=warps, num_stages=stages), flops)
+    t("dh split (fp8_grouped_gemm fp32 dA' + epilogue kernel)", lambda: B.dh_swiglu(
+        dyq, dys, w2t_q, w2t_s, h, s_TK, slots, offs, split=True), flops)
     _, (dhq, dhs), _, _ = B.dh_swiglu(dyq, dys, w2t_q, w2t_s, h, s_TK, slots, offs)
     w13t_q, w13t_s = B.dx_weight(w1, w3)
-    for bm, bn, warps, stages in ((64, 128, 4, 4), (64, 128, 8, 3), (128, 128, 8, 3), (64, 256, 8, 3)):
+    for bm, bn, warps, stages, tma in ((64, 128, 4, 4, False), (128, 128, 8, 3, False), (64, 128, 4, 3, True),
+                                       (64, 128, 4, 4, True), (128, 128, 8, 3, True)):
         tiles = tile_table(offs, N, bm)
-        t(f"dX bm{bm} bn{bn} w{warps} s{stages}", lambda: G.fp8_grouped_gemm(
+        t(f"dX bm{bm} bn{bn} w{warps} s{stages}{' tma' if tma else ''}", lambda: G.fp8_grouped_gemm(
             dhq, dhs, w13t_q, w13t_s, offs, tiles=tiles, block_m=bm, block_n=bn, out_slot_N=slots,
-            num_warps=warps, num_stages=stages), 2 * flops)
+            num_warps=warps, num_stages=stages, tma=tma), 2 * flops)
     t("wgrad unpadded bm128 bn128 w8 s3", lambda: G.fp8_wgrad(
         atq, ats, btq, bts, offs, block_m=128, block_n=128, num_warps=8, num_stages=3), flops)
     # The padded layout (quantize_cols_grouped(padded=True)): every tile at a multiple of 128.

@@ -568,3 +568,36 @@ def test_gemm_variants_bench_kernel():
     seed = _seed()
     errors = cpu_check(seed)
     assert len(errors) == 10 and all(e < 1e-2 for e in errors.values()), f"seed {seed}: {errors}"
+
+
+@pytest.mark.parametrize("routing", [ROUTINGS[1], ROUTINGS[4]], ids=lambda r: f"T{r[0]}k{r[1]}E{r[2]}-{r[3]}")
+def test_tma_loads_are_bitwise_the_pointer_loads(routing):
+    """``tma=True`` (host tensor descriptors for the weights, and for A when not gathered) loads the
+    same bytes as the pointer loads, zeros past K and past the last rows: bitwise the same GEMMs,
+    incl. a partial K block (D = 320) and a partial N tile (F = 144). Rows of 10 bytes cannot be
+    addressed by TMA: those fall back to pointer loads."""
+    seed = _seed()
+    T, K, E, kind = routing
+    D, F = 320, 144
+    msg = f"seed {seed} {routing}"
+    ids = _routing(T, K, E, kind)
+    slots, offs = sort_by_expert(ids, E)
+    valid = ids.view(-1) >= 0
+    n = _covered(offs)
+    xq, xs = Q.quantize_rowwise(_input(T, D, torch.float32, zeros=False))
+    w1q, w1s = Q.quantize_weight(torch.randn(E, F, D, device=DEVICE) * 0.05)
+    w3q, w3s = Q.quantize_weight(torch.randn(E, F, D, device=DEVICE) * 0.05)
+    gathered = [G.fp8_grouped_gemm(xq, xs, w1q, w1s, offs, slots, K, out_dtype=torch.float32, out_slot_N=slots,
+                                   tma=t) for t in (False, True)]
+    assert torch.equal(gathered[0][valid], gathered[1][valid]), f"{msg}: gathered GEMM"
+    a_sorted = _input(T * K, F, torch.float32, zeros=False)
+    aq, as_ = Q.quantize_rowwise(a_sorted)
+    w2q, w2s = Q.quantize_weight(torch.randn(E, D, F, device=DEVICE) * 0.05)
+    down = [G.fp8_grouped_gemm(aq, as_, w2q, w2s, offs, tma=t) for t in (False, True)]
+    assert torch.equal(down[0][:n], down[1][:n]), f"{msg}: sorted-row GEMM"
+    gu = [G.fp8_gate_up_swiglu(xq, xs, w1q, w1s, w3q, w3s, slots, offs, K, quantize_a=True, tma=t)
+          for t in (False, True)]
+    (h0, a0, (q0, s0)), (h1, a1, (q1, s1)) = gu
+    assert torch.equal(h0[:n], h1[:n]) and torch.equal(a0[:n], a1[:n]), f"{msg}: gate/up"
+    _assert_same_q((q0[:n], s0[:n]), (q1[:n], s1[:n]), f"{msg}: quantized A")
+    assert G._tma_descriptor(torch.zeros(4, 10, dtype=torch.uint8), 4, 16) is None

@@ -31,8 +31,10 @@ import torch
 triton = pytest.importorskip("triton")
 from kernels import get_moe_backend, resolve_moe_backend  # noqa: E402
 from kernels.fp8 import quant as Q  # noqa: E402
+from kernels.fp8 import grouped_gemm as G  # noqa: E402
 from kernels.mega_moe_fp8 import MegaFP8Options, mega_moe_fp8, options  # noqa: E402
 from kernels.mega_moe_fp8 import backward as B  # noqa: E402
+from kernels.mega_moe.routing import sort_by_expert  # noqa: E402
 from kernels.mega_moe_fp8.reference import mega_moe_fp8_backward_ref, mega_moe_fp8_forward_ref  # noqa: E402
 from kernels.moe_reference import moe_reference  # noqa: E402
 
@@ -213,6 +215,10 @@ _CASES = [
     # The others run the FP8 wgrad in the padded layout (B.WGRAD_PADDED); this one the unpadded.
     pytest.param(19, 4, 8, 128, 128, "empty_expert", False, dict(wgrad_padded=False, pow2=True),
                  id="T19-top4-E8-emptyexperts-pow2-unpadded-wgrad"),
+    # The options measured next (off by default): dH by a separate GEMM + epilogue kernel, TMA loads
+    # (rows of 208 and 192 bytes: TMA-addressable, with a partial K block).
+    pytest.param(23, 2, 4, 208, 192, "empty_expert", False, dict(dh_quant=True, dh_split=True, tma=True),
+                 id="T23-D208-F192-emptyexperts-dhsplit-tma"),
 ]
 
 
@@ -226,7 +232,39 @@ def test_forward_backward(T, K, E, D, F, kind, outliers, opts, monkeypatch):
     opts = dict(opts)
     if "wgrad_padded" in opts:
         monkeypatch.setattr(B, "WGRAD_PADDED", opts.pop("wgrad_padded"))
+    if "dh_split" in opts:
+        monkeypatch.setattr(B, "DH_SPLIT", opts.pop("dh_split"))
+    if "tma" in opts:
+        monkeypatch.setattr(G, "USE_TMA", opts.pop("tma"))
     _check(T, K, E, D, F, kind, outliers, **opts)
+
+
+@pytest.mark.parametrize("kind", ["empty_expert", "random"])
+def test_dh_split_matches_fused(kind):
+    """DH_SPLIT (dA' by fp8_grouped_gemm, then the epilogue kernel) against the fused dh kernel: the
+    same GEMM loop and the same epilogue, so bitwise under the interpreter; on the GPU the two GEMMs'
+    tiles differ (accumulation order), so within a bf16 ulp there. F = 136: a partial column tile."""
+    seed = _seed()
+    T, K, E, D, F = 29, 2, 4, 256, 136
+    x, ids, s, w1, w3, w2, dy = _inputs(T, K, E, D, F, kind)
+    slots, offs = sort_by_expert(ids, E)
+    dy_q, dy_s = Q.quantize_rowwise(dy)
+    w2_q, w2_s = Q.quantize_weight(w2)
+    h = torch.randn(T * K, 2 * F, device=DEVICE).to(BF16)
+    args = (dy_q, dy_s, B._transposed(w2_q), w2_s.mT.contiguous(), h, s, slots, offs)
+    fused, split = (B.dh_swiglu(*args, split=flag) for flag in (False, True))
+    n = int(offs[-1])
+    valid = (ids >= 0).view(-1)
+    pairs = [("dH", fused[0][:n], split[0][:n]), ("dH e4m3", fused[1][0][:n].view(torch.uint8).float(),
+             split[1][0][:n].view(torch.uint8).float()), ("dH scales", fused[1][1][:n], split[1][1][:n]),
+             ("ds", fused[2].view(-1)[valid], split[2].view(-1)[valid]), ("s*A", fused[3][:n], split[3][:n])]
+    for name, a, b in pairs:
+        if _HAS_CUDA:
+            if name != "dH e4m3":
+                torch.testing.assert_close(b.double(), a.double(), rtol=2.0**-7, atol=1e-6,
+                                           msg=f"{name}; seed {seed}")
+        else:
+            assert torch.equal(a, b), f"{name}: split differs from fused; seed {seed} {kind}"
 
 
 def test_compile_fullgraph():
@@ -330,7 +368,10 @@ def test_bench_code_paths():
 
     rows = fp8_kernels.time_moe_ops(T=8, top_k=2, E=2, shapes={"tiny": (128, 128)}, iters=1,
                                     device=DEVICE, timer=wall_ms if not _HAS_CUDA else None)
-    assert len(rows) == 1 and "mega_fp8" in rows[0] and "cached" in rows[0]
+    assert len(rows) == 8 and "cached" in rows[3] and all("TFLOP/s" in r for r in rows[1:]), rows
+    from kernels.mega_moe_fp8 import backward as B_
+
+    assert G.USE_TMA is False and B_.DH_SPLIT is False, "time_moe_ops left an option switched on"
 
 
 @pytest.mark.skipif(_HAS_CUDA, reason="the GPU runs the real sweep (python -m bench.fp8_kernels --sweep)")

@@ -89,16 +89,37 @@ def _a_rows(sorted_slot_ptr, rows, rmask, safe_rows, K_TOP, GATHER: tl.constexpr
 
 
 @triton.jit
+def _load_a(a_ptrs, kb, K, offs_k, EVEN_K: tl.constexpr):
+    """A's 128-wide K block kb, (BLOCK_M, 128) (pointers already at block kb)."""
+    if EVEN_K:
+        return tl.load(a_ptrs)
+    else:
+        return tl.load(a_ptrs, mask=(offs_k + kb * 128 < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _load_b(b_ptrs, kb, K, offs_k, EVEN_K: tl.constexpr):
+    """B's 128-deep K block kb, (128, BLOCK_N) (pointers already at block kb)."""
+    if EVEN_K:
+        return tl.load(b_ptrs)
+    else:
+        return tl.load(b_ptrs, mask=(offs_k + kb * 128 < K)[:, None], other=0.0)
+
+
+@triton.jit
 def _load_ab(a_ptrs, b_ptrs, kb, K, offs_k, EVEN_K: tl.constexpr):
     """A's and B's 128-wide K block kb (pointers already at block kb)."""
-    if EVEN_K:
-        a = tl.load(a_ptrs)
-        b = tl.load(b_ptrs)
+    return _load_a(a_ptrs, kb, K, offs_k, EVEN_K), _load_b(b_ptrs, kb, K, offs_k, EVEN_K)
+
+
+@triton.jit
+def _load_b_tma(b_ptrs, b_desc, b_row0, kb, K, offs_k, EVEN_K: tl.constexpr, TMA_B: tl.constexpr):
+    """B's K block kb, (128, BLOCK_N): through the tensor descriptor of B viewed (E * N, K) (rows
+    b_row0 onwards; TMA zero-fills past K and past the last expert) or through the pointers."""
+    if TMA_B:
+        return b_desc.load([b_row0, kb * 128]).T
     else:
-        kmask = offs_k + kb * 128 < K
-        a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
-    return a, b
+        return _load_b(b_ptrs, kb, K, offs_k, EVEN_K)
 
 
 @triton.jit
@@ -142,6 +163,8 @@ def _fp8_gemm_kernel(
     slot_w_ptr,  # (Nr,) fp32 weight by output row (read if WEIGHTED)
     offsets_ptr,  # (E+1,) int32
     table_ptr,  # (2, num_tiles) int32
+    a_desc,  # TensorDescriptor of A, block (BLOCK_M, 128) (if TMA_A)
+    b_desc,  # TensorDescriptor of B viewed (E * N, K), block (BLOCK_N, 128) (if TMA_B)
     num_tiles,
     K_TOP,
     N,
@@ -153,6 +176,8 @@ def _fp8_gemm_kernel(
     WEIGHTED: tl.constexpr,
     EVEN_K: tl.constexpr,
     SOFT: tl.constexpr,
+    TMA_A: tl.constexpr = False,
+    TMA_B: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -177,10 +202,19 @@ def _fp8_gemm_kernel(
     else:
         bs_base = bs_ptr + (e64 * NB + offs_n_ld // 128) * KB
 
+    # TMA: the tile's rows from its first one (rows past the expert's end read the next expert's,
+    # dropped at the store; past the last row, zeros), the weight rows of this expert and N-tile.
+    row0 = tl.load(table_ptr + num_tiles + pid_m)
+    b_row0 = expert * N + pid_n * BLOCK_N
+
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     sa, sb = _kscales(as_base, bs_base, 0, KB)
     for kb in range(0, KB):
-        a, b = _load_ab(a_ptrs, b_ptrs, kb, K, offs_k, EVEN_K)
+        if TMA_A:
+            a = a_desc.load([row0, kb * 128])
+        else:
+            a = _load_a(a_ptrs, kb, K, offs_k, EVEN_K)
+        b = _load_b_tma(b_ptrs, b_desc, b_row0, kb, K, offs_k, EVEN_K, TMA_B)
         sa_next, sb_next = _kscales(as_base, bs_base, kb + 1, KB)
         acc = _promote(acc, tl.dot(a, b), sa, sb, BLOCK_N == 128)
         sa, sb = sa_next, sb_next
@@ -215,6 +249,8 @@ def _fp8_gate_up_kernel(
     sorted_slot_ptr,
     offsets_ptr,
     table_ptr,
+    w1_desc,  # TensorDescriptors of w1, w3 viewed (E * F, D), block (BLOCK_N, 128) (if TMA_B)
+    w3_desc,
     num_tiles,
     K_TOP,
     D,
@@ -226,6 +262,7 @@ def _fp8_gate_up_kernel(
     QUANT_A: tl.constexpr,
     POW2: tl.constexpr,
     SOFT: tl.constexpr,
+    TMA_B: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(F, BLOCK_N)
@@ -259,9 +296,11 @@ def _fp8_gate_up_kernel(
     # Scales prefetched one K block ahead (see _promote's note).
     sx, s1 = _kscales(xs_base, w1s_base, 0, DB)
     s3 = tl.load(w3s_base)
+    b_row0 = expert * F + pid_n * BLOCK_N
     for kb in range(0, DB):
-        x, w1 = _load_ab(x_ptrs, w1_ptrs, kb, D, offs_k, EVEN_K)
-        _, w3 = _load_ab(x_ptrs, w3_ptrs, kb, D, offs_k, EVEN_K)
+        x = _load_a(x_ptrs, kb, D, offs_k, EVEN_K)
+        w1 = _load_b_tma(w1_ptrs, w1_desc, b_row0, kb, D, offs_k, EVEN_K, TMA_B)
+        w3 = _load_b_tma(w3_ptrs, w3_desc, b_row0, kb, D, offs_k, EVEN_K, TMA_B)
         sx_next, s1_next = _kscales(xs_base, w1s_base, kb + 1, DB)
         s3_next = tl.load(w3s_base + tl.minimum(kb + 1, DB - 1))
         acc_g = _promote(acc_g, tl.dot(x, w1), sx, s1, BLOCK_N == 128)
@@ -308,6 +347,24 @@ def _checked_tiles(tiles: torch.Tensor | None, offsets_E1: torch.Tensor, Nr: int
     return tiles
 
 
+# TMA (tensor-memory-accelerator loads through host tensor descriptors) for the operands whose rows
+# are contiguous: A when it is not gathered, and the weights. Off by default until timed in the whole
+# op on the H200: Run 19 measured the down GEMM's loop 0.69 -> 0.53 ms with it (bench/fp8_gemm_variants.py,
+# MODE 4 + TMA, 64 x 128 tiles, 4 warps, 3 stages). ``tma=None`` in the ops reads this flag.
+USE_TMA = False
+
+
+def _tma_descriptor(t: torch.Tensor, rows: int, block_rows: int):
+    """A TensorDescriptor of ``t`` viewed (rows, K) with (block_rows, 128) blocks, or None when TMA
+    cannot address it (a row must be a multiple of 16 bytes, the base 16-byte aligned)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    K = t.shape[-1]
+    if K % 16 or t.data_ptr() % 16 or not t.is_contiguous():
+        return None
+    return TensorDescriptor.from_tensor(t.view(rows, K), [block_rows, TILE])
+
+
 def fp8_grouped_gemm(
     a_q: torch.Tensor,
     a_s: torch.Tensor,
@@ -324,6 +381,7 @@ def fp8_grouped_gemm(
     slot_weights_N: torch.Tensor | None = None,
     num_warps: int = 4,  # Run 12 sweep
     num_stages: int = 4,
+    tma: bool | None = None,
 ) -> torch.Tensor:
     """out[r] = dequant(A)[src(r)] @ dequant(B)[e(r)]^T for the expert-sorted rows r.
 
@@ -341,6 +399,8 @@ def fp8_grouped_gemm(
             of r (the MoE combine: expert-sorted row -> its (token, k) slot).
         slot_weights_N: (Nr,) fp32 or None (needs ``out_slot_N``): output row j is scaled by
             ``slot_weights_N[j]`` in fp32 before the rounding to ``out_dtype`` (routing weights).
+        tma: load B, and A when not gathered, through TMA descriptors (None: ``USE_TMA``); operands
+            TMA cannot address fall back to pointer loads.
     Returns:
         (Nr, N) ``out_dtype`` (bf16 or fp32). Rows r >= offsets_E1[E] (empty slots; with
         ``out_slot_N`` their slots) are not written.
@@ -371,13 +431,17 @@ def fp8_grouped_gemm(
     if Nr == 0 or N == 0 or K == 0 or n_tiles == 0:
         return out.zero_() if K == 0 else out
     tiles = _checked_tiles(tiles, offsets_E1, Nr, bm, n_tiles)
+    use_tma = USE_TMA if tma is None else tma
+    a_desc = _tma_descriptor(a_q, a_q.shape[0], bm) if use_tma and sorted_slot_N is None else None
+    b_desc = _tma_descriptor(b_q, E * N, bn) if use_tma else None
     _fp8_gemm_kernel[(n_tiles * triton.cdiv(N, bn),)](
         a_q, a_s, b_q, b_s, out, sorted_slot_N if sorted_slot_N is not None else offsets_E1,
         out_slot_N if out_slot_N is not None else offsets_E1,
         slot_weights_N if slot_weights_N is not None else a_s,
-        offsets_E1, tiles, n_tiles, top_k, N, K,
+        offsets_E1, tiles, a_desc, b_desc, n_tiles, top_k, N, K,
         BLOCK_M=bm, BLOCK_N=bn, GATHER=sorted_slot_N is not None, SCATTER=out_slot_N is not None,
         WEIGHTED=slot_weights_N is not None, EVEN_K=K % TILE == 0, SOFT=interpreting(),
+        TMA_A=a_desc is not None, TMA_B=b_desc is not None,
         num_warps=num_warps if not interpreting() else 4, num_stages=num_stages,
     )  # fmt: skip
     return out
@@ -401,6 +465,7 @@ def fp8_gate_up_swiglu(
     store_a: bool = True,
     num_warps: int = 8,  # Run 12 sweep: 8 warps at 64 rows (two accumulators)
     num_stages: int = 3,
+    tma: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
     """FP8 gathered gate/up GEMM with the SwiGLU epilogue (FP8 twin of ``forward.gate_up``).
 
@@ -412,6 +477,8 @@ def fp8_gate_up_swiglu(
             BLOCK_N = 128 so each N-tile is one scale tile.
         store_a: write A in ``out_dtype`` (False with ``quantize_a``: the FP8 MoE needs only A's
             quantized copy, and skipping the N x F store saves its bytes).
+        tma: load w1 and w3 through TMA descriptors (None: ``USE_TMA``); x's rows are gathered,
+            so they stay pointer loads.
     Returns:
         h_N2F: (Nr, 2F) [gate | up] in ``out_dtype``; a_NF: (Nr, F) silu(gate) * up in ``out_dtype``
         (None unless store_a); (a_q (Nr, F) e4m3, a_s (Nr, ceil(F/128)) fp32) if quantize_a else None.
@@ -442,12 +509,16 @@ def fp8_gate_up_swiglu(
     if Nr == 0 or F == 0 or n_tiles == 0:
         return h, a, (aq, a_s) if quantize_a else None
     tiles = _checked_tiles(tiles, offsets_E1, Nr, bm, n_tiles)
+    use_tma = USE_TMA if tma is None else tma
+    w1_desc = _tma_descriptor(w1_q, E * F, bn) if use_tma else None
+    w3_desc = _tma_descriptor(w3_q, E * F, bn) if use_tma else None
     _fp8_gate_up_kernel[(n_tiles * triton.cdiv(F, bn),)](
         x_q, x_s, w1_q, w1_s, w3_q, w3_s, h, a if store_a else h,
         aq.view(torch.uint8) if quantize_a else h, a_s if quantize_a else h,
-        sorted_slot_N, offsets_E1, tiles, n_tiles, top_k, D, F,
+        sorted_slot_N, offsets_E1, tiles, w1_desc, w3_desc, n_tiles, top_k, D, F,
         BLOCK_M=bm, BLOCK_N=bn, EVEN_K=D % TILE == 0, STORE_A=store_a, QUANT_A=quantize_a, POW2=pow2_scales,
-        SOFT=interpreting(), num_warps=num_warps if not interpreting() else 4, num_stages=num_stages,
+        SOFT=interpreting(), TMA_B=w1_desc is not None and w3_desc is not None,
+        num_warps=num_warps if not interpreting() else 4, num_stages=num_stages,
     )  # fmt: skip
     return h, a, (aq, a_s) if quantize_a else None
 

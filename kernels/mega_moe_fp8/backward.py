@@ -58,6 +58,14 @@ WGRAD_PRECISIONS = ("fp8", "bf16")
 # columns per operand. False selects the unpadded layout (same numbers: same bytes and scales).
 WGRAD_PADDED = True
 
+# DH_SPLIT: dA' by fp8_grouped_gemm (dy rows gathered, fp32 out), then the SwiGLU backward + dH
+# quantization in an elementwise kernel, instead of the fused _fp8_dh_kernel. Why: the fused kernel
+# holds the GEMM's and the epilogue's tiles at once (255 registers, spills, one CTA per SM) and ran
+# at 1.76 ms at the 30B shape, ~2.5x a lone FP8 GEMM of its size (Runs 19, 21). Predicted ~1.2 ms
+# split (GEMM ~0.7 + 1.6 GB elementwise ~0.45); off until measured in the whole op. Read per call.
+DH_SPLIT = False
+DH_EPILOGUE_BLOCK_M = 32  # rows per program of the split epilogue (memory-bound; ~6 fp32 tiles live)
+
 
 @triton.jit
 def _store_quantized_half(v, nmask, rows64, rmask, offs_n, col0, tile, q_ptr, s_ptr, FP, FB,
@@ -132,7 +140,53 @@ def _fp8_dh_kernel(
         a_ptrs += 128
         b_ptrs += 128
 
-    # SwiGLU backward from H, as the bf16 kernel's epilogue does.
+    _dh_epilogue(acc, rows, rmask, slot, offs_n, pid_n, s_ptr, h_ptr, dh_ptr, dhq_ptr, dhs_ptr, sa_ptr,
+                 ds_part_ptr, N, F, FB, STORE_SA, POW2, SOFT)
+
+
+@triton.jit
+def _dh_from_da_kernel(
+    da_ptr,  # (N, F) fp32: dA' by expert-sorted row (fp8_grouped_gemm, DH_SPLIT)
+    h_ptr,  # (N, 2F) [gate | up]
+    s_ptr,  # (N,) fp32 routing weights by slot
+    dh_ptr,  # (N, 2F) out
+    dhq_ptr,  # (N, 2 * FP) uint8 out
+    dhs_ptr,  # (N, 2 * FB) fp32 out
+    sa_ptr,  # (N, F) out (if STORE_SA)
+    ds_part_ptr,  # (FB, N) fp32 out
+    sorted_slot_ptr,
+    offsets_ptr,
+    table_ptr,
+    num_tiles,
+    N,
+    F,
+    BLOCK_M: tl.constexpr,
+    STORE_SA: tl.constexpr,
+    POW2: tl.constexpr,
+    SOFT: tl.constexpr,
+):
+    """The dh kernel's epilogue on its own, over dA' computed by a separate FP8 GEMM (DH_SPLIT)."""
+    pid = tl.program_id(0)
+    FB = tl.cdiv(F, 128)
+    pid_m = pid // FB
+    pid_n = pid % FB
+    expert, rows, rmask, _ = tile_rows(table_ptr, offsets_ptr, num_tiles, pid_m, BLOCK_M)
+    if expert < 0:
+        return
+    slot = tl.load(sorted_slot_ptr + rows, mask=rmask, other=0)
+    offs_n = pid_n * 128 + tl.arange(0, 128)
+    # Columns past F read as 0 (the fused kernel's wrapped columns meet act = 0 there too).
+    amask = rmask[:, None] & (offs_n < F)[None, :]
+    acc = tl.load(da_ptr + rows.to(tl.int64)[:, None] * F + offs_n[None, :], mask=amask, other=0.0)
+    _dh_epilogue(acc, rows, rmask, slot, offs_n, pid_n, s_ptr, h_ptr, dh_ptr, dhq_ptr, dhs_ptr, sa_ptr,
+                 ds_part_ptr, N, F, FB, STORE_SA, POW2, SOFT)
+
+
+@triton.jit
+def _dh_epilogue(acc, rows, rmask, slot, offs_n, pid_n, s_ptr, h_ptr, dh_ptr, dhq_ptr, dhs_ptr, sa_ptr,
+                 ds_part_ptr, N, F, FB, STORE_SA: tl.constexpr, POW2: tl.constexpr, SOFT: tl.constexpr):
+    """From dA' (``acc``, fp32, one 128-column tile of F): the SwiGLU backward from H as the bf16
+    kernel's epilogue does, dH stored and quantized 1 x 128, s * A, and this tile's partial ds."""
     s = tl.load(s_ptr + slot, mask=rmask, other=0.0)
     rows64 = rows.to(tl.int64)
     nmask = offs_n < F
@@ -183,6 +237,7 @@ def dh_swiglu(
     block_m: int | None = None,
     num_warps: int = 8,
     num_stages: int = 3,
+    split: bool | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor | None]:
     """FP8 dA' = dy_gathered @ w2[e] with the SwiGLU backward and the routing-weight grad as epilogue.
 
@@ -192,7 +247,9 @@ def dh_swiglu(
             and block scales transposed (``q.mT``, ``s.mT``, contiguous).
         h_N2F: (N, 2F) [gate | up] from the forward; topk_weights_TK: (T, K) fp32.
         block_m, num_warps, num_stages: launch parameters (default ``dh_block_m()``, 8, 3; for
-            the benchmark sweep; the interpreter always uses 4 warps).
+            the benchmark sweep; the interpreter always uses 4 warps) of the fused kernel.
+        split: dA' by a separate FP8 GEMM, then the epilogue kernel (None: ``DH_SPLIT``); the same
+            results up to the GEMMs' accumulation order on the GPU (bitwise under the interpreter).
     Returns:
         dh_N2F: (N, 2F) [dgate | dup] in h's dtype, expert-sorted rows.
         (dh_q, dh_s): (N, 2 * FP) e4m3 and (N, 2 * ceil(F/128)) fp32, FP = F rounded up to 128:
@@ -215,6 +272,19 @@ def dh_swiglu(
     bm = block_m or dh_block_m()
     n_tiles = max_tiles(N, E, bm)
     if N == 0:
+        return dh_N2F, (dh_q, dh_s), ds_part_PN.sum(0).view(T, K), sa_NF
+    if DH_SPLIT if split is None else split:
+        gbm, _ = gemm_blocks()
+        da_NF = fp8_grouped_gemm(dy_q, dy_s, w2t_q, w2t_s, offsets_E1, sorted_slot_N, K, out_dtype=torch.float32,
+                                 tiles=tile_table(offsets_E1, N, gbm), block_m=gbm, block_n=TILE)
+        ebm = 16 if interpreting() else DH_EPILOGUE_BLOCK_M
+        e_tiles = max_tiles(N, E, ebm)
+        _dh_from_da_kernel[(e_tiles * FB,)](
+            da_NF, h_N2F, topk_weights_TK, dh_N2F, dh_q.view(torch.uint8), dh_s, sa_NF if store_sa else dh_N2F,
+            ds_part_PN, sorted_slot_N, offsets_E1, tile_table(offsets_E1, N, ebm), e_tiles, N, F,
+            BLOCK_M=ebm, STORE_SA=store_sa, POW2=pow2_scales, SOFT=interpreting(),
+            num_warps=8 if not interpreting() else 4,
+        )  # fmt: skip
         return dh_N2F, (dh_q, dh_s), ds_part_PN.sum(0).view(T, K), sa_NF
     tiles = tile_table(offsets_E1, N, bm)
     _fp8_dh_kernel[(n_tiles * FB,)](
