@@ -81,6 +81,18 @@ def _store_quantized_half(v, nmask, rows64, rmask, offs_n, col0, tile, q_ptr, s_
 
 
 @triton.jit
+def _dh_tile(table_ptr, offsets_ptr, sorted_slot_ptr, num_tiles, F, BLOCK_M: tl.constexpr):
+    """Program -> its tile of (expert-sorted rows) x (128 columns of F): (expert, or -1 for a surplus
+    tile; rows; row mask; the rows' slots, 0 past the expert's end; column-tile index; columns)."""
+    pid = tl.program_id(0)
+    FB = tl.cdiv(F, 128)
+    pid_n = pid % FB
+    expert, rows, rmask, _ = tile_rows(table_ptr, offsets_ptr, num_tiles, pid // FB, BLOCK_M)
+    slot = tl.load(sorted_slot_ptr + rows, mask=rmask, other=0)
+    return expert, rows, rmask, slot, pid_n, pid_n * 128 + tl.arange(0, 128)
+
+
+@triton.jit
 def _fp8_dh_kernel(
     dy_ptr,  # (T, D) e4m3
     dys_ptr,  # (T, DB) fp32
@@ -109,20 +121,15 @@ def _fp8_dh_kernel(
 ):
     # BLOCK_N is the scale tile (128): each program's columns are exactly one 1 x 128 tile of dgate
     # and one of dup, so the dX GEMM's operand is quantized here, with no pass over dH.
-    pid = tl.program_id(0)
-    FB = tl.cdiv(F, 128)
-    pid_m = pid // FB
-    pid_n = pid % FB
-    expert, rows, rmask, _ = tile_rows(table_ptr, offsets_ptr, num_tiles, pid_m, BLOCK_M)
+    expert, rows, rmask, slot, pid_n, offs_n = _dh_tile(table_ptr, offsets_ptr, sorted_slot_ptr, num_tiles, F,
+                                                        BLOCK_M)
     if expert < 0:
         return
     # Rows past the expert's end read token 0 (a valid row) and are dropped at the stores.
-    slot = tl.load(sorted_slot_ptr + rows, mask=rmask, other=0)
     tok = (slot // K_TOP).to(tl.int64)
-
+    FB = tl.cdiv(F, 128)
     DB = tl.cdiv(D, 128)
     e64 = expert.to(tl.int64)
-    offs_n = pid_n * 128 + tl.arange(0, 128)
     offs_n_ld = offs_n % F
     offs_k = tl.arange(0, 128)
     a_ptrs = dy_ptr + tok[:, None] * D + offs_k[None, :]
@@ -166,15 +173,11 @@ def _dh_from_da_kernel(
     SOFT: tl.constexpr,
 ):
     """The dh kernel's epilogue on its own, over dA' computed by a separate FP8 GEMM (DH_SPLIT)."""
-    pid = tl.program_id(0)
-    FB = tl.cdiv(F, 128)
-    pid_m = pid // FB
-    pid_n = pid % FB
-    expert, rows, rmask, _ = tile_rows(table_ptr, offsets_ptr, num_tiles, pid_m, BLOCK_M)
+    expert, rows, rmask, slot, pid_n, offs_n = _dh_tile(table_ptr, offsets_ptr, sorted_slot_ptr, num_tiles, F,
+                                                        BLOCK_M)
     if expert < 0:
         return
-    slot = tl.load(sorted_slot_ptr + rows, mask=rmask, other=0)
-    offs_n = pid_n * 128 + tl.arange(0, 128)
+    FB = tl.cdiv(F, 128)
     # Columns past F read as 0 (the fused kernel's wrapped columns meet act = 0 there too).
     amask = rmask[:, None] & (offs_n < F)[None, :]
     acc = tl.load(da_ptr + rows.to(tl.int64)[:, None] * F + offs_n[None, :], mask=amask, other=0.0)
