@@ -173,10 +173,12 @@ def sweep(T: int = 16384, top_k: int = 8, E: int = 128, D: int = 2048, F: int = 
     flops = 2 * N * D * F
     rows = []
 
-    def t(label, fn, fl):
+    def t(label, fn, fl, unit="TFLOP/s"):
+        """fl: FLOPs (TFLOP/s), or bytes moved with unit="GB/s"."""
         try:
             ms = timer(fn)
-            rows.append(f"{label:52s} {ms:8.3f} ms {fl / ms / 1e9:6.0f} TFLOP/s")
+            rate = fl / ms / (1e9 if unit == "TFLOP/s" else 1e6)
+            rows.append(f"{label:52s} {ms:8.3f} ms {rate:6.0f} {unit}")
         except Exception as exc:  # a config that does not fit (shared memory, registers)
             rows.append(f"{label:52s} failed: {type(exc).__name__}: {str(exc)[:60]}")
         print(rows[-1], flush=True)
@@ -219,11 +221,15 @@ def sweep(T: int = 16384, top_k: int = 8, E: int = 128, D: int = 2048, F: int = 
     # The padded layout (quantize_cols_grouped(padded=True)): every tile at a multiple of 128.
     atp, atps = Q.quantize_cols_grouped(dh, offs, padded=True)
     btp, btps = Q.quantize_cols_grouped(x, offs, slots, top_k, padded=True)
-    t("quantize_cols_grouped x gathered, padded", lambda: Q.quantize_cols_grouped(x, offs, slots, top_k, padded=True), 0)
-    for bm, bn, warps, stages in ((128, 128, 8, 3), (128, 128, 4, 3), (64, 128, 4, 4), (128, 256, 8, 3)):
-        t(f"wgrad padded bm{bm} bn{bn} w{warps} s{stages}", lambda: G.fp8_wgrad(
+    for bk, warps in ((64, 4), (32, 4), (128, 4), (128, 8), (256, 8)):
+        # bytes: x read in bf16 (gathered), written in e4m3
+        t(f"quantize_cols_grouped x gathered padded bk{bk} w{warps}", lambda: Q.quantize_cols_grouped(
+            x, offs, slots, top_k, padded=True, block_k=bk, num_warps=warps), N * D * 3, "GB/s")
+    for bm, bn, warps, stages, tma in ((128, 128, 8, 3, False), (64, 128, 4, 4, False), (128, 256, 8, 3, False),
+                                       (64, 128, 4, 4, True), (64, 128, 4, 3, True), (128, 128, 8, 3, True)):
+        t(f"wgrad padded bm{bm} bn{bn} w{warps} s{stages}{' tma' if tma else ''}", lambda: G.fp8_wgrad(
             atp, atps, btp, btps, offs, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
-            padded=True), flops)
+            padded=True, tma=tma), flops)
     print(f"wgrad padded == unpadded: {torch.equal(G.fp8_wgrad(atq, ats, btq, bts, offs), G.fp8_wgrad(atp, atps, btp, btps, offs, padded=True))}")
     print("\n".join(rows))
     return rows

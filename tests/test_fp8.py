@@ -600,4 +600,9 @@ def test_tma_loads_are_bitwise_the_pointer_loads(routing):
     (h0, a0, (q0, s0)), (h1, a1, (q1, s1)) = gu
     assert torch.equal(h0[:n], h1[:n]) and torch.equal(a0[:n], a1[:n]), f"{msg}: gate/up"
     _assert_same_q((q0[:n], s0[:n]), (q1[:n], s1[:n]), f"{msg}: quantized A")
+    # wgrad on the padded token-dim layout: dW1 = dH^T x with M = 144 (a partial row tile).
+    dht = Q.quantize_cols_grouped(_input(T * K, F, torch.float32, zeros=False), offs, padded=True)
+    xt = Q.quantize_cols_grouped(_input(T, D, torch.float32, zeros=False), offs, slots, K, padded=True)
+    dw = [G.fp8_wgrad(*dht, *xt, offs, padded=True, tma=t) for t in (False, True)]
+    assert torch.equal(dw[0], dw[1]), f"{msg}: wgrad"
     assert G._tma_descriptor(torch.zeros(4, 10, dtype=torch.uint8), 4, 16) is None

@@ -537,6 +537,8 @@ def _fp8_wgrad_kernel(
     out_ptr,  # (E, M, Ncol)
     offsets_ptr,  # (E+1,) int32 row offsets
     tile_offsets_ptr,  # (E+1,) int32 offsets of each expert's 128-row tiles
+    at_desc,  # TensorDescriptor of at (M, LD), block (BLOCK_M, 128) (if TMA; padded layout only)
+    bt_desc,  # TensorDescriptor of bt (Ncol, LD), block (BLOCK_N, 128)
     num_tiles,
     LD,  # row stride of at/bt: Nr, or num_tiles * 128 if PADDED
     M,
@@ -545,6 +547,7 @@ def _fp8_wgrad_kernel(
     BLOCK_N: tl.constexpr,
     SOFT: tl.constexpr,
     PADDED: tl.constexpr,
+    TMA: tl.constexpr = False,
 ):
     expert, offs_m, offs_n, start, end = expert_tile(tl.program_id(0), M, NCOL, offsets_ptr, BLOCK_M, BLOCK_N)
     t0 = tl.load(tile_offsets_ptr + expert)
@@ -552,6 +555,8 @@ def _fp8_wgrad_kernel(
     offs_m_ld = (offs_m % M).to(tl.int64)
     offs_n_ld = (offs_n % NCOL).to(tl.int64)
     offs_r = tl.arange(0, 128)
+    m0 = (tl.program_id(0) % (tl.cdiv(M, BLOCK_M) * tl.cdiv(NCOL, BLOCK_N))) // tl.cdiv(NCOL, BLOCK_N) * BLOCK_M
+    n0 = (tl.program_id(0) % tl.cdiv(NCOL, BLOCK_N)) * BLOCK_N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # One 128-row tile of the expert per step: the scale block of both operands. An expert with
     # no rows runs no step and stores zeros. Scales prefetched one step ahead (see _promote's
@@ -560,7 +565,11 @@ def _fp8_wgrad_kernel(
     sa = tl.load(ats_ptr + offs_m_ld * num_tiles + t_first)
     sb = tl.load(bts_ptr + offs_n_ld * num_tiles + t_first)
     for t in range(t0, t1):
-        if PADDED:
+        if TMA:
+            # The padded layout through descriptors: rows past M / Ncol read zeros (dropped).
+            a = at_desc.load([m0, t * 128])
+            b = bt_desc.load([n0, t * 128]).T
+        elif PADDED:
             # Tile t owns columns [128 t, 128 t + 128), zero past the expert's rows: no mask, and
             # the columns are known 128-aligned and contiguous, so the loads are vectorized
             # (LD = num_tiles * 128 is a multiple of 16, which Triton's specialization sees).
@@ -595,6 +604,7 @@ def fp8_wgrad(
     num_warps: int = 4,  # Run 12 sweep
     num_stages: int = 4,
     padded: bool = False,
+    tma: bool | None = None,
 ) -> torch.Tensor:
     """dW[e] = dY_e^T @ X_e, the sum over expert e's rows, from token-dim-quantized operands.
 
@@ -609,6 +619,7 @@ def fp8_wgrad(
             at_q (M, n_tiles * 128), bt_q (Ncol, n_tiles * 128), at_s (M, n_tiles), bt_s
             (Ncol, n_tiles), n_tiles = Nr // 128 + E; tile i at columns [128 i, 128 i + 128),
             zero filled past its rows. The loads are then aligned and unmasked (vectorized).
+        tma: with ``padded``, load both operands through TMA descriptors (None: ``USE_TMA``).
     Returns:
         (E, M, Ncol) ``out_dtype``; zeros for an expert with no rows.
     """
@@ -649,9 +660,13 @@ def fp8_wgrad(
     if out.numel() == 0:
         return out
     tile_offs = group_tile_offsets(offsets_E1)
+    use_tma = padded and (USE_TMA if tma is None else tma)
+    at_desc = _tma_descriptor(at_q, M, bm) if use_tma else None
+    bt_desc = _tma_descriptor(bt_q, NCOL, bn) if use_tma else None
     _fp8_wgrad_kernel[(E * triton.cdiv(M, bm) * triton.cdiv(NCOL, bn),)](
-        at_q, at_s, bt_q, bt_s, out, offsets_E1, tile_offs, n_tiles, ld, M, NCOL,
+        at_q, at_s, bt_q, bt_s, out, offsets_E1, tile_offs, at_desc, bt_desc, n_tiles, ld, M, NCOL,
         BLOCK_M=bm, BLOCK_N=bn, SOFT=interpreting(), PADDED=padded,
+        TMA=at_desc is not None and bt_desc is not None,
         num_warps=num_warps if not interpreting() else 4, num_stages=num_stages,
     )  # fmt: skip
     return out
