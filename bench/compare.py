@@ -299,7 +299,8 @@ def plan(s: Setting, *, toml_path: Path, data_dir: Path, python: str = sys.execu
             "--optimizer.implementation", "triton" if s.gpus == 1 else "auto",
             "--lr_scheduler.warmup_steps", str(WARMUP_STEPS), "--lr_scheduler.decay_type", "cosine",
             "--lr_scheduler.decay_ratio", "1.0", "--lr_scheduler.min_lr_factor", repr(MIN_LR_FACTOR),
-            "--activation_checkpoint.mode", "full", "--compile.enable", "true",
+            # Upstream's full AC, everything recomputed (the config's keep is a --variant here).
+            "--activation_checkpoint.mode", "full", "--activation_checkpoint.keep", "none", "--compile.enable", "true",
             "--moe.load_balance", s.load_balance, "--metrics.log_freq", "1",
             "--parallelism.expert_parallel_degree", str(s.ep),
             "--metrics.summary_start_step", str(s.window[0]), "--metrics.summary_end_step", str(s.window[1])]
