@@ -351,9 +351,9 @@ def test_fp8_linear_benchmark_runs_every_implementation():
 @pytest.mark.parametrize("shape,transposed", [((37, 200), False), ((200, 37), True), ((1, 16), False),
                                               ((64, 130), True)])
 def test_quantize_rowwise_fast_is_bitwise_the_reference(dtype, shape, transposed):
-    """The backward's quantizer (row amax + one Triton pass, any strides) against quantize_rowwise:
-    the same bytes and scales, on contiguous and transposed views, partial tiles, an all-zero row
-    and an outlier row."""
+    """The custom ops' quantizer (row amax + one Triton pass deriving the scales, any strides)
+    against quantize_rowwise: the same bytes and scales, on contiguous and transposed views, partial
+    tiles, an all-zero row, an outlier row and a row whose scale is exactly a power of two."""
     from kernels.fp8_rowwise import quantize_rowwise_fast
     from tests.triton_interpreter import DEVICE
 
@@ -364,8 +364,14 @@ def test_quantize_rowwise_fast_is_bitwise_the_reference(dtype, shape, transposed
     x[0] = 0.0
     if x.shape[0] > 2:
         x[2] *= 100.0
+    if x.shape[0] > 1:
+        # amax exactly 448 * 2^-3: the scale is exactly 2^-3 (a correctly rounded division), not 2^-2
+        x[1] = x[1].clamp(-40.0, 40.0)
+        x[1, 0] = 448.0 * 2.0**-3
     q, s = quantize_rowwise_fast(x, use_triton=True)  # the kernel, on CPU through the interpreter
     q_ref, s_ref = quantize_rowwise(x)
     assert q.is_contiguous() and q.shape == x.shape and s.shape == (x.shape[0], 1)
     assert torch.equal(s, s_ref), f"seed {seed}"
+    if x.shape[0] > 1:
+        assert s[1].item() == 2.0**-3, f"seed {seed}: scale {s[1].item()} for amax 448 * 2^-3"
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), f"seed {seed}"
