@@ -33,13 +33,12 @@ all-to-all at once; the weighted sums over k come last. P = 1 is the unchunked p
 In eager, functional collectives return tensors that are waited on at first use (on GPU a stream
 dependency, not a host sync), so the dispatch of chunks 1..P-1 and the combine of chunk i travel
 while later chunks' GEMMs run. A compiled block is different: tracing puts each wait right after
-its collective, and inductor leaves it there unless its comm/compute reordering is on
-(``torch._inductor.config.reorder_for_compute_comm_overlap`` with its passes, or
-``aten_distributed_optimizations.enable_overlap_scheduling``, which needs a GPU) -- seen in the
-generated code of a CPU run. So with ``[compile] enable`` and inductor's defaults, P > 1 overlaps
-nothing and only adds its cost. The backward's all-to-alls are funcol's autograd formula, which
-also waits right after issuing; what overlaps there depends on the order autograd runs the
-chunks' nodes.
+its collective, and inductor leaves it there unless its comm/compute reordering is on -- seen in
+the generated code of a CPU run: with inductor's defaults P > 1 overlaps nothing. So with P > 1
+and inductor the trainer turns that reordering on (``parallelisms/compile.py``, which records what
+then overlaps: the forward's combines and most of the backward's all-to-alls; the forward's
+dispatch of chunk i + 1 still waits before chunk i's experts). The backward's all-to-alls are
+funcol's autograd formula.
 
 Every rank must run the same collectives in the same order, the backward's included, so a
 backend's output must depend on its input rows even when all of them are empty. ``grouped_mm`` and
