@@ -27,12 +27,11 @@ from components.float8 import convert_to_float8
 from components.metrics import MetricsLogger, flops_per_token
 from components.optimizer import build_lr_scheduler, build_optimizer, folds_grad_scale
 from components.profiling import StepProfiler
-from components.tokenizer import TokenizerError, build_tokenizer
-from kernels import available_moe_backends, resolve_moe_backend
-from models.moe.router import update_expert_bias
 from components.shadow_weights import attach_shadows_to_optimizer, enable_shadows
 from components.shadow_weights import grad_carriers as shadow_grad_carriers
-from models.moe.router import TokenChoiceTopKRouter
+from components.tokenizer import TokenizerError, build_tokenizer
+from kernels import available_moe_backends, resolve_moe_backend
+from models.moe.router import TokenChoiceTopKRouter, update_expert_bias
 from models.moe.weight_cache import (attach_caches_to_optimizer, cache_mode, enable_expert_weight_cache,
                                      expert_grad_carriers, invalidate_expert_weight_caches,
                                      refresh_expert_weight_caches)

@@ -272,14 +272,12 @@ def dh_swiglu(
     dh_s = torch.empty((N, 2 * FB), device=dev, dtype=torch.float32)
     sa_NF = torch.empty((N, F), device=dev, dtype=h_N2F.dtype) if store_sa else None
     ds_part_PN = torch.empty((FB, N), device=dev, dtype=torch.float32)
-    bm = block_m or dh_block_m()
-    n_tiles = max_tiles(N, E, bm)
     if N == 0:
         return dh_N2F, (dh_q, dh_s), ds_part_PN.sum(0).view(T, K), sa_NF
     if DH_SPLIT if split is None else split:
         gbm, _ = gemm_blocks()
         da_NF = fp8_grouped_gemm(dy_q, dy_s, w2t_q, w2t_s, offsets_E1, sorted_slot_N, K, out_dtype=torch.float32,
-                                 tiles=tile_table(offsets_E1, N, gbm), block_m=gbm, block_n=TILE)
+                                 block_m=gbm, block_n=TILE)
         ebm = 16 if interpreting() else DH_EPILOGUE_BLOCK_M
         e_tiles = max_tiles(N, E, ebm)
         _dh_from_da_kernel[(e_tiles * FB,)](
@@ -288,15 +286,16 @@ def dh_swiglu(
             BLOCK_M=ebm, STORE_SA=store_sa, POW2=pow2_scales, SOFT=interpreting(),
             num_warps=8 if not interpreting() else 4,
         )  # fmt: skip
-        return dh_N2F, (dh_q, dh_s), ds_part_PN.sum(0).view(T, K), sa_NF
-    tiles = tile_table(offsets_E1, N, bm)
-    _fp8_dh_kernel[(n_tiles * FB,)](
-        dy_q, dy_s, w2t_q, w2t_s, h_N2F, topk_weights_TK, dh_N2F, dh_q.view(torch.uint8), dh_s,
-        sa_NF if store_sa else dh_N2F, ds_part_PN, sorted_slot_N, offsets_E1, tiles,
-        n_tiles, N, K, D, F,
-        BLOCK_M=bm, EVEN_K=D % TILE == 0, STORE_SA=store_sa, POW2=pow2_scales, SOFT=interpreting(),
-        num_warps=num_warps if not interpreting() else 4, num_stages=num_stages,
-    )  # fmt: skip
+    else:
+        bm = block_m or dh_block_m()
+        n_tiles = max_tiles(N, E, bm)
+        _fp8_dh_kernel[(n_tiles * FB,)](
+            dy_q, dy_s, w2t_q, w2t_s, h_N2F, topk_weights_TK, dh_N2F, dh_q.view(torch.uint8), dh_s,
+            sa_NF if store_sa else dh_N2F, ds_part_PN, sorted_slot_N, offsets_E1, tile_table(offsets_E1, N, bm),
+            n_tiles, N, K, D, F,
+            BLOCK_M=bm, EVEN_K=D % TILE == 0, STORE_SA=store_sa, POW2=pow2_scales, SOFT=interpreting(),
+            num_warps=num_warps if not interpreting() else 4, num_stages=num_stages,
+        )  # fmt: skip
     return dh_N2F, (dh_q, dh_s), ds_part_PN.sum(0).view(T, K), sa_NF
 
 
