@@ -423,6 +423,9 @@ def test_scalar_and_vector_weight_scales_agree(routing):
     weights = torch.rand(T * K, device=DEVICE)
     outs = [G.fp8_grouped_gemm(xq, xs, wq, ws, offs, slots, K, out_dtype=torch.float32, out_slot_N=slots,
                                slot_weights_N=weights, block_n=bn) for bn in (32, 128)]
+    want = G.fp8_grouped_gemm_ref(xq, xs, wq, ws, offs, slots, K, out_slot_N=slots, slot_weights_N=weights)[valid]
+    for out in outs:
+        torch.testing.assert_close(out[valid].double(), want, **_gemm_tol(want.abs().max()), msg=_m(msg))
     ref = outs[0][valid].double()
     torch.testing.assert_close(outs[1][valid].double(), ref, rtol=1e-5, atol=1e-6 * ref.abs().max().item(), msg=_m(msg))
 
@@ -570,7 +573,7 @@ def test_gemm_variants_bench_kernel():
     assert len(errors) == 10 and all(e < 1e-2 for e in errors.values()), f"seed {seed}: {errors}"
 
 
-@pytest.mark.parametrize("routing", [ROUTINGS[1], ROUTINGS[4]], ids=lambda r: f"T{r[0]}k{r[1]}E{r[2]}-{r[3]}")
+@pytest.mark.parametrize("routing", [ROUTINGS[1], ROUTINGS[2], ROUTINGS[4]], ids=lambda r: f"T{r[0]}k{r[1]}E{r[2]}-{r[3]}")
 def test_tma_loads_are_bitwise_the_pointer_loads(routing):
     """``tma=True`` (host tensor descriptors for the weights, and for A when not gathered) loads the
     same bytes as the pointer loads, zeros past K and past the last rows: bitwise the same GEMMs,
@@ -590,11 +593,15 @@ def test_tma_loads_are_bitwise_the_pointer_loads(routing):
     gathered = [G.fp8_grouped_gemm(xq, xs, w1q, w1s, offs, slots, K, out_dtype=torch.float32, out_slot_N=slots,
                                    tma=t) for t in (False, True)]
     assert torch.equal(gathered[0][valid], gathered[1][valid]), f"{msg}: gathered GEMM"
+    want = G.fp8_grouped_gemm_ref(xq, xs, w1q, w1s, offs, slots, K, out_slot_N=slots)[valid]
+    torch.testing.assert_close(gathered[1][valid].double(), want, **_gemm_tol(want.abs().max()), msg=_m(msg))
     a_sorted = _input(T * K, F, torch.float32, zeros=False)
     aq, as_ = Q.quantize_rowwise(a_sorted)
     w2q, w2s = Q.quantize_weight(torch.randn(E, D, F, device=DEVICE) * 0.05)
-    down = [G.fp8_grouped_gemm(aq, as_, w2q, w2s, offs, tma=t) for t in (False, True)]
+    down = [G.fp8_grouped_gemm(aq, as_, w2q, w2s, offs, out_dtype=torch.float32, tma=t) for t in (False, True)]
     assert torch.equal(down[0][:n], down[1][:n]), f"{msg}: sorted-row GEMM"
+    want = G.fp8_grouped_gemm_ref(aq, as_, w2q, w2s, offs)[:n]
+    torch.testing.assert_close(down[1][:n].double(), want, **_gemm_tol(want.abs().max()), msg=_m(msg))
     gu = [G.fp8_gate_up_swiglu(xq, xs, w1q, w1s, w3q, w3s, slots, offs, K, quantize_a=True, tma=t)
           for t in (False, True)]
     (h0, a0, (q0, s0)), (h1, a1, (q1, s1)) = gu
@@ -605,4 +612,6 @@ def test_tma_loads_are_bitwise_the_pointer_loads(routing):
     xt = Q.quantize_cols_grouped(_input(T, D, torch.float32, zeros=False), offs, slots, K, padded=True)
     dw = [G.fp8_wgrad(*dht, *xt, offs, padded=True, tma=t) for t in (False, True)]
     assert torch.equal(dw[0], dw[1]), f"{msg}: wgrad"
+    want = G.fp8_wgrad_ref(*dht, *xt, offs, padded=True)
+    torch.testing.assert_close(dw[1].double(), want, **_gemm_tol(want.abs().max()), msg=_m(msg))
     assert G._tma_descriptor(torch.zeros(4, 10, dtype=torch.uint8), 4, 16) is None
