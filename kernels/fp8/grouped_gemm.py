@@ -143,12 +143,15 @@ def _promote(acc, d, sa, sb, SCALAR_B: tl.constexpr):
 
 # The promotion is the K loop's cost beyond the MMAs: the same kernel with no scales ran 1.45x
 # faster (30B down shape, 128 x 128 tiles, Run 19, bench/fp8_gemm_variants.py). One FMA per element
-# instead of two multiplies and an add took the down GEMM from 0.75 to 0.69 ms and gate/up + SwiGLU
-# from 1.94 to 1.62 ms (Runs 15 -> 19). The scales are loaded one K block ahead: ncu put 28% of the
-# gate/up kernel's warp samples on long-scoreboard stalls, half at the scale loads, but the
-# prefetch alone measured neutral (+-2%) on these pointer-based loops; it stays for TMA variants,
-# where it matched the unscaled kernel's time (0.53 ms, Run 19). A lagged promotion (block kb-1's
-# product added after block kb's dot) measured 2-8% slower: Triton waits for each wgmma anyway.
+# instead of two multiplies and an add, at 64 x 128 tiles in the same call: the down shape 0.754 ->
+# 0.687 ms, the gate/up-shaped GEMM (K 2048, N 1536) 1.301 -> 1.147 ms. The scales are loaded one K
+# block ahead: ncu put 28% of the gate/up kernel's warp samples on long-scoreboard stalls, half at
+# the scale loads, but the prefetch alone, on these pointer-based loops, measured -2% to +4% at the
+# down shape and +1% to +9% (slower) at the gate/up-shaped K 2048, most at 128 x 128 tiles with 8
+# warps and 3 stages, gate/up's launch (Run 19, same call); with TMA it matched the unscaled
+# kernel's time (0.53 ms). Whether gate/up keeps it is for the next timing (bench/NOTES.md). A lagged
+# promotion (block kb-1's product added after block kb's dot) measured 2-8% slower: Triton waits
+# for each wgmma anyway.
 
 
 @triton.jit
