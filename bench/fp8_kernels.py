@@ -95,8 +95,9 @@ def time_moe_ops(T=16384, top_k=8, E=128, shapes=SHAPES, iters=20, device="cuda"
     quantizing its weights per call, and ``mega_fp8`` as the trainer runs it with the expert weight
     cache (``cached``: e4m3 copies made beforehand, float32 master weights as gradient carriers,
     their gradients written in float32); the cached op also with ``wgrad = "bf16"`` and with the
-    options not yet on by default: TMA loads (``kernels.fp8.grouped_gemm.USE_TMA``), the split dH
-    (``kernels.mega_moe_fp8.backward.DH_SPLIT``) and both. Each row's ratio is bf16 ``mega`` / it.
+    option combinations: TMA loads (``kernels.fp8.grouped_gemm.USE_TMA``), the split dH
+    (``kernels.mega_moe_fp8.backward.DH_SPLIT``), gate/up's scale prefetch (``GATE_UP_PREFETCH``).
+    Each row's ratio is bf16 ``mega`` / it.
 
     ``timer(fn, iters)`` returns ms (default: CUDA events, :func:`bench.timing.time_ms`); the tests run
     this at a tiny size on CPU with a wall clock to exercise the code paths.
@@ -111,20 +112,24 @@ def time_moe_ops(T=16384, top_k=8, E=128, shapes=SHAPES, iters=20, device="cuda"
         quantized = QuantizedExpertWeights.quantize(w1, w3, w2)
         cached = functools.partial(get_moe_backend("mega_fp8"), quantized=quantized)
         master = (w1.float(), w3.float(), w2.float())
-        # label -> (op, weights, kernels.fp8.grouped_gemm.USE_TMA, backward.DH_SPLIT)
+        # label -> (op, weights, (G.USE_TMA, B.DH_SPLIT, G.GATE_UP_PREFETCH))
+        default = (G.USE_TMA, B.DH_SPLIT, G.GATE_UP_PREFETCH)
         variants = {
-            "mega (bf16)": (get_moe_backend("mega"), (w1, w3, w2), False, False),
-            "mega_fp8, weights quantized per call": (get_moe_backend("mega_fp8"), (w1, w3, w2), False, False),
-            "mega_fp8 cached": (cached, master, False, False),
+            "mega (bf16)": (get_moe_backend("mega"), (w1, w3, w2), default),
+            "mega_fp8, weights quantized per call": (get_moe_backend("mega_fp8"), (w1, w3, w2), default),
+            "mega_fp8 cached": (cached, master, default),
             "  + bf16 wgrad": (functools.partial(_with_bf16_wgrad, get_moe_backend("mega_fp8"), quantized),
-                               master, False, False),
-            "  + TMA": (cached, master, True, False),
-            "  + dH split": (cached, master, False, True),
-            "  + TMA + dH split": (cached, master, True, True),
+                               master, default),
+            "  TMA on, dH split off, prefetch on": (cached, master, (True, False, True)),
+            "  TMA off, dH split on, prefetch on": (cached, master, (False, True, True)),
+            "  TMA on, dH split on, prefetch on": (cached, master, (True, True, True)),
+            "  TMA off, dH split off, prefetch off": (cached, master, (False, False, False)),
+            "  TMA on, dH split off, prefetch off": (cached, master, (True, False, False)),
+            "  TMA on, dH split on, prefetch off": (cached, master, (True, True, False)),
         }
         flops = 2 * T * top_k * D * F * 3  # forward: gate, up, down
         ms = {}
-        for label, (fn, ws, tma, split) in variants.items():
+        for label, (fn, ws, flags) in variants.items():
             leaves = [t.clone().requires_grad_() for t in (x, s, *ws)]
 
             def fwd(fn=fn, ws=ws):
@@ -134,11 +139,11 @@ def time_moe_ops(T=16384, top_k=8, E=128, shapes=SHAPES, iters=20, device="cuda"
             def fwd_bwd(fn=fn, leaves=leaves):
                 torch.autograd.grad(fn(leaves[0], ids, *leaves[1:]), leaves, dy)
 
-            G.USE_TMA, B.DH_SPLIT = tma, split  # read at each launch, forward and backward
+            G.USE_TMA, B.DH_SPLIT, G.GATE_UP_PREFETCH = flags  # read at each launch
             try:
                 ms[label] = (timer(fwd, iters), timer(fwd_bwd, iters))
             finally:
-                G.USE_TMA, B.DH_SPLIT = False, False
+                G.USE_TMA, B.DH_SPLIT, G.GATE_UP_PREFETCH = default
         f16, fb16 = ms["mega (bf16)"]
         rows.append(f"{name} T={T} top-{top_k} E={E}: fwd ms, fwd+bwd ms (fwd+bwd TFLOP/s, bf16 mega / it)")
         for label, (f, fb) in ms.items():
@@ -186,9 +191,11 @@ def sweep(T: int = 16384, top_k: int = 8, E: int = 128, D: int = 2048, F: int = 
     for bm, warps, stages, tma in ((64, 8, 3, False), (128, 8, 3, False), (64, 4, 3, False), (128, 8, 4, False),
                                    (128, 8, 3, True), (64, 4, 3, True), (128, 8, 4, True)):
         tiles = tile_table(offs, N, bm)
-        t(f"gate_up+quantA bm{bm} bn128 w{warps} s{stages}{' tma' if tma else ''}", lambda: G.fp8_gate_up_swiglu(
-            xq, xs, w1q, w1s, w3q, w3s, slots, offs, top_k, quantize_a=True, store_a=False, tiles=tiles,
-            block_m=bm, num_warps=warps, num_stages=stages, tma=tma), 2 * flops)
+        for pf in (True, False):  # the scales loaded one K block ahead, or at their block
+            t(f"gate_up+quantA bm{bm} bn128 w{warps} s{stages}{' tma' if tma else ''}{'' if pf else ' no-prefetch'}",
+              lambda: G.fp8_gate_up_swiglu(
+                  xq, xs, w1q, w1s, w3q, w3s, slots, offs, top_k, quantize_a=True, store_a=False, tiles=tiles,
+                  block_m=bm, num_warps=warps, num_stages=stages, tma=tma, prefetch=pf), 2 * flops)
     for bm, bn, warps, stages, tma in ((64, 128, 4, 4, False), (64, 128, 4, 3, False), (128, 128, 8, 3, False),
                                        (64, 128, 4, 3, True), (64, 128, 4, 4, True), (128, 128, 8, 3, True)):
         tiles = tile_table(offs, N, bm)

@@ -366,12 +366,13 @@ def test_bench_code_paths():
         fn()
         return (time.perf_counter() - start) * 1e3
 
-    rows = fp8_kernels.time_moe_ops(T=8, top_k=2, E=2, shapes={"tiny": (128, 128)}, iters=1,
-                                    device=DEVICE, timer=wall_ms if not _HAS_CUDA else None)
-    assert len(rows) == 8 and "cached" in rows[3] and all("TFLOP/s" in r for r in rows[1:]), rows
     from kernels.mega_moe_fp8 import backward as B_
 
-    assert G.USE_TMA is False and B_.DH_SPLIT is False, "time_moe_ops left an option switched on"
+    default = (G.USE_TMA, B_.DH_SPLIT, G.GATE_UP_PREFETCH)
+    rows = fp8_kernels.time_moe_ops(T=8, top_k=2, E=2, shapes={"tiny": (128, 128)}, iters=1,
+                                    device=DEVICE, timer=wall_ms if not _HAS_CUDA else None)
+    assert len(rows) == 11 and "cached" in rows[3] and all("TFLOP/s" in r for r in rows[1:]), rows
+    assert (G.USE_TMA, B_.DH_SPLIT, G.GATE_UP_PREFETCH) == default, "time_moe_ops left an option changed"
 
 
 @pytest.mark.skipif(_HAS_CUDA, reason="the GPU runs the real sweep (python -m bench.fp8_kernels --sweep)")

@@ -266,6 +266,7 @@ def _fp8_gate_up_kernel(
     POW2: tl.constexpr,
     SOFT: tl.constexpr,
     TMA_B: tl.constexpr = False,
+    PREFETCH: tl.constexpr = True,
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(F, BLOCK_N)
@@ -296,7 +297,8 @@ def _fp8_gate_up_kernel(
 
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # Scales prefetched one K block ahead (see _promote's note).
+    # PREFETCH: scales loaded one K block ahead (see _promote's note; timed on/off for gate/up's
+    # launch in session 8, GATE_UP_PREFETCH).
     sx, s1 = _kscales(xs_base, w1s_base, 0, DB)
     s3 = tl.load(w3s_base)
     b_row0 = expert * F + pid_n * BLOCK_N
@@ -304,8 +306,13 @@ def _fp8_gate_up_kernel(
         x = _load_a(x_ptrs, kb, D, offs_k, EVEN_K)
         w1 = _load_b_tma(w1_ptrs, w1_desc, b_row0, kb, D, offs_k, EVEN_K, TMA_B)
         w3 = _load_b_tma(w3_ptrs, w3_desc, b_row0, kb, D, offs_k, EVEN_K, TMA_B)
-        sx_next, s1_next = _kscales(xs_base, w1s_base, kb + 1, DB)
-        s3_next = tl.load(w3s_base + tl.minimum(kb + 1, DB - 1))
+        if PREFETCH:
+            sx_next, s1_next = _kscales(xs_base, w1s_base, kb + 1, DB)
+            s3_next = tl.load(w3s_base + tl.minimum(kb + 1, DB - 1))
+        else:
+            sx, s1 = _kscales(xs_base, w1s_base, kb, DB)
+            s3 = tl.load(w3s_base + kb)
+            sx_next, s1_next, s3_next = sx, s1, s3
         acc_g = _promote(acc_g, tl.dot(x, w1), sx, s1, BLOCK_N == 128)
         acc_u = _promote(acc_u, tl.dot(x, w3), sx, s3, BLOCK_N == 128)
         sx, s1, s3 = sx_next, s1_next, s3_next
@@ -355,6 +362,8 @@ def _checked_tiles(tiles: torch.Tensor | None, offsets_E1: torch.Tensor, Nr: int
 # op on the H200: Run 19 measured the down GEMM's loop 0.69 -> 0.53 ms with it (bench/fp8_gemm_variants.py,
 # MODE 4 + TMA, 64 x 128 tiles, 4 warps, 3 stages). ``tma=None`` in the ops reads this flag.
 USE_TMA = False
+# Gate/up's K loop loads the scales one block ahead (``prefetch=None`` reads this flag).
+GATE_UP_PREFETCH = True
 
 
 def _tma_descriptor(t: torch.Tensor, rows: int, block_rows: int):
@@ -469,6 +478,7 @@ def fp8_gate_up_swiglu(
     num_warps: int = 8,  # Run 12 sweep: 8 warps at 64 rows (two accumulators)
     num_stages: int = 3,
     tma: bool | None = None,
+    prefetch: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
     """FP8 gathered gate/up GEMM with the SwiGLU epilogue (FP8 twin of ``forward.gate_up``).
 
@@ -482,6 +492,7 @@ def fp8_gate_up_swiglu(
             quantized copy, and skipping the N x F store saves its bytes).
         tma: load w1 and w3 through TMA descriptors (None: ``USE_TMA``); x's rows are gathered,
             so they stay pointer loads.
+        prefetch: load the K loop's scales one block ahead (None: ``GATE_UP_PREFETCH``).
     Returns:
         h_N2F: (Nr, 2F) [gate | up] in ``out_dtype``; a_NF: (Nr, F) silu(gate) * up in ``out_dtype``
         (None unless store_a); (a_q (Nr, F) e4m3, a_s (Nr, ceil(F/128)) fp32) if quantize_a else None.
@@ -521,6 +532,7 @@ def fp8_gate_up_swiglu(
         sorted_slot_N, offsets_E1, tiles, w1_desc, w3_desc, n_tiles, top_k, D, F,
         BLOCK_M=bm, BLOCK_N=bn, EVEN_K=D % TILE == 0, STORE_A=store_a, QUANT_A=quantize_a, POW2=pow2_scales,
         SOFT=interpreting(), TMA_B=w1_desc is not None and w3_desc is not None,
+        PREFETCH=GATE_UP_PREFETCH if prefetch is None else prefetch,
         num_warps=num_warps if not interpreting() else 4, num_stages=num_stages,
     )  # fmt: skip
     return h, a, (aq, a_s) if quantize_a else None
