@@ -176,27 +176,27 @@ def run(T=16384, top_k=8, E=128, shapes=((768, 2048), (2048, 1536))):
     print("\n".join(rows_out))
 
 
-def cpu_check(seed: int = 0) -> dict:
-    """TRITON_INTERPRET=1: modes 0, 1, 3-5 without TMA against the dequantized reference at a tiny
-    size (K = 256: two K blocks); returns {(block_m, mode): relative error}."""
+def cpu_check(seed: int = 0, device: str = "cpu") -> dict:
+    """Modes 0, 1, 3-5 without TMA against the dequantized reference at a tiny size (K = 256: two K
+    blocks), on CPU under TRITON_INTERPRET=1 or on the GPU; returns {(block_m, mode): relative error}."""
     torch.manual_seed(seed)
     E, top_k, T, K, N = 4, 2, 40, 256, 256
-    ids = torch.randint(0, E, (T, top_k))
+    ids = torch.randint(0, E, (T, top_k), device=device)
     _, offs = sort_by_expert(ids, E)
     Nr = T * top_k
-    a = torch.randn(Nr, K)
-    w = torch.randn(E, N, K) * 0.02
+    a = torch.randn(Nr, K, device=device)
+    w = torch.randn(E, N, K, device=device) * 0.02
     aq, as_ = Q.quantize_rowwise(a)
     wq, ws = Q.quantize_weight(w)
     adq, wdq = Q.dequantize_rowwise_ref(aq, as_), Q.dequantize_weight_ref(wq, ws)
-    eid = torch.repeat_interleave(torch.arange(E), offs.diff().long())
+    eid = torch.repeat_interleave(torch.arange(E, device=device), offs.diff().long())
     ref = torch.einsum("rk,rnk->rn", adq, wdq[eid])
     errors = {}
     for bm in (16, 32):
         tiles = tile_table(offs, Nr, bm)
         nt = tiles.shape[1]
         for mode in (0, 1, 3, 4, 5):
-            out = torch.zeros(Nr, N, dtype=torch.bfloat16)
+            out = torch.zeros(Nr, N, dtype=torch.bfloat16, device=device)
             _xk[(nt * (N // 128),)](aq, as_, wq, ws, out, offs, tiles, nt, N, K, None, None, BLOCK_M=bm,
                                      BLOCK_N=128, MODE=mode, TMA=False, WS=False)
             errors[(bm, mode)] = ((out.float() - ref).norm() / ref.norm()).item()

@@ -232,6 +232,9 @@ def sweep(T: int = 16384, top_k: int = 8, E: int = 128, D: int = 2048, F: int = 
         # bytes: x read in bf16 (gathered), written in e4m3
         t(f"quantize_cols_grouped x gathered padded bk{bk} w{warps}", lambda: Q.quantize_cols_grouped(
             x, offs, slots, top_k, padded=True, block_k=bk, num_warps=warps), N * D * 3, "GB/s")
+    for bk in (32, 64):  # the backward's other operands: dH (N, 2F) and dy's sorted rows, not gathered
+        t(f"quantize_cols_grouped dH padded bk{bk} w4", lambda: Q.quantize_cols_grouped(
+            dh, offs, padded=True, block_k=bk), N * F * 3, "GB/s")
     for bm, bn, warps, stages, tma in ((128, 128, 8, 3, False), (64, 128, 4, 4, False), (128, 256, 8, 3, False),
                                        (64, 128, 4, 4, True), (64, 128, 4, 3, True), (128, 128, 8, 3, True)):
         t(f"wgrad padded bm{bm} bn{bn} w{warps} s{stages}{' tma' if tma else ''}", lambda: G.fp8_wgrad(

@@ -569,7 +569,7 @@ def test_gemm_variants_bench_kernel():
     from bench.fp8_gemm_variants import cpu_check
 
     seed = _seed()
-    errors = cpu_check(seed)
+    errors = cpu_check(seed, DEVICE)
     assert len(errors) == 10 and all(e < 1e-2 for e in errors.values()), f"seed {seed}: {errors}"
 
 

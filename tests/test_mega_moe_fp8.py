@@ -215,10 +215,13 @@ _CASES = [
     # The others run the FP8 wgrad in the padded layout (B.WGRAD_PADDED); this one the unpadded.
     pytest.param(19, 4, 8, 128, 128, "empty_expert", False, dict(wgrad_padded=False, pow2=True),
                  id="T19-top4-E8-emptyexperts-pow2-unpadded-wgrad"),
-    # The options measured next (off by default): dH by a separate GEMM + epilogue kernel, TMA loads
-    # (rows of 208 and 192 bytes: TMA-addressable, with a partial K block).
-    pytest.param(23, 2, 4, 208, 192, "empty_expert", False, dict(dh_quant=True, dh_split=True, tma=True),
+    # The defaults since Run 22 (dH by a separate GEMM + epilogue kernel, TMA loads) on rows of 208
+    # and 192 bytes (TMA-addressable, a partial K block); then the paths they replaced: the fused
+    # dH kernel and pointer loads.
+    pytest.param(23, 2, 4, 208, 192, "empty_expert", False, dict(dh_quant=True),
                  id="T23-D208-F192-emptyexperts-dhsplit-tma"),
+    pytest.param(22, 2, 4, 208, 192, "random", False, dict(dh_split=False, tma=False),
+                 id="T22-D208-F192-fuseddh-pointerloads"),
 ]
 
 

@@ -358,10 +358,11 @@ def _checked_tiles(tiles: torch.Tensor | None, offsets_E1: torch.Tensor, Nr: int
 
 
 # TMA (tensor-memory-accelerator loads through host tensor descriptors) for the operands whose rows
-# are contiguous: A when it is not gathered, and the weights. Off by default until timed in the whole
-# op on the H200: Run 19 measured the down GEMM's loop 0.69 -> 0.53 ms with it (bench/fp8_gemm_variants.py,
-# MODE 4 + TMA, 64 x 128 tiles, 4 warps, 3 stages). ``tma=None`` in the ops reads this flag.
-USE_TMA = False
+# are contiguous: A when it is not gathered, and the weights. By default (``tma=None``, this flag) only
+# where BOTH operands go through TMA: Run 22 (30B shape, H200, same call) measured down 0.702 -> 0.554
+# ms, dX 1.202 -> 0.997, padded wgrad 0.976 -> 0.873 (each at 3 stages with TMA, 4 without), but the
+# gate/up GEMM, whose x rows are gathered (pointer loads beside TMA weight loads), 1.216 -> 1.759 ms.
+USE_TMA = True
 # Gate/up's K loop loads the scales one block ahead (``prefetch=None`` reads this flag).
 GATE_UP_PREFETCH = True
 
@@ -392,7 +393,7 @@ def fp8_grouped_gemm(
     out_slot_N: torch.Tensor | None = None,
     slot_weights_N: torch.Tensor | None = None,
     num_warps: int = 4,  # Run 12 sweep
-    num_stages: int = 4,
+    num_stages: int | None = None,
     tma: bool | None = None,
 ) -> torch.Tensor:
     """out[r] = dequant(A)[src(r)] @ dequant(B)[e(r)]^T for the expert-sorted rows r.
@@ -411,8 +412,10 @@ def fp8_grouped_gemm(
             of r (the MoE combine: expert-sorted row -> its (token, k) slot).
         slot_weights_N: (Nr,) fp32 or None (needs ``out_slot_N``): output row j is scaled by
             ``slot_weights_N[j]`` in fp32 before the rounding to ``out_dtype`` (routing weights).
-        tma: load B, and A when not gathered, through TMA descriptors (None: ``USE_TMA``); operands
-            TMA cannot address fall back to pointer loads.
+        num_stages: software pipeline depth (None: 3 with TMA, 4 without; Run 22 sweep).
+        tma: load B, and A when not gathered, through TMA descriptors (None: ``USE_TMA`` when A is
+            not gathered, else pointer loads: see ``USE_TMA``); operands TMA cannot address fall back
+            to pointer loads.
     Returns:
         (Nr, N) ``out_dtype`` (bf16 or fp32). Rows r >= offsets_E1[E] (empty slots; with
         ``out_slot_N`` their slots) are not written.
@@ -443,9 +446,11 @@ def fp8_grouped_gemm(
     if Nr == 0 or N == 0 or K == 0 or n_tiles == 0:
         return out.zero_() if K == 0 else out
     tiles = _checked_tiles(tiles, offsets_E1, Nr, bm, n_tiles)
-    use_tma = USE_TMA if tma is None else tma
+    use_tma = (USE_TMA and sorted_slot_N is None) if tma is None else tma
     a_desc = _tma_descriptor(a_q, a_q.shape[0], bm) if use_tma and sorted_slot_N is None else None
     b_desc = _tma_descriptor(b_q, E * N, bn) if use_tma else None
+    if num_stages is None:
+        num_stages = 3 if b_desc is not None else 4
     _fp8_gemm_kernel[(n_tiles * triton.cdiv(N, bn),)](
         a_q, a_s, b_q, b_s, out, sorted_slot_N if sorted_slot_N is not None else offsets_E1,
         out_slot_N if out_slot_N is not None else offsets_E1,
@@ -490,8 +495,8 @@ def fp8_gate_up_swiglu(
             BLOCK_N = 128 so each N-tile is one scale tile.
         store_a: write A in ``out_dtype`` (False with ``quantize_a``: the FP8 MoE needs only A's
             quantized copy, and skipping the N x F store saves its bytes).
-        tma: load w1 and w3 through TMA descriptors (None: ``USE_TMA``); x's rows are gathered,
-            so they stay pointer loads.
+        tma: load w1 and w3 through TMA descriptors (None: off, since x's rows are gathered and
+            stay pointer loads: 1.76 ms against 1.22 without, Run 22; see ``USE_TMA``).
         prefetch: load the K loop's scales one block ahead (None: ``GATE_UP_PREFETCH``).
     Returns:
         h_N2F: (Nr, 2F) [gate | up] in ``out_dtype``; a_NF: (Nr, F) silu(gate) * up in ``out_dtype``
@@ -523,7 +528,7 @@ def fp8_gate_up_swiglu(
     if Nr == 0 or F == 0 or n_tiles == 0:
         return h, a, (aq, a_s) if quantize_a else None
     tiles = _checked_tiles(tiles, offsets_E1, Nr, bm, n_tiles)
-    use_tma = USE_TMA if tma is None else tma
+    use_tma = bool(tma)  # None: off (x is gathered; see USE_TMA)
     w1_desc = _tma_descriptor(w1_q, E * F, bn) if use_tma else None
     w3_desc = _tma_descriptor(w3_q, E * F, bn) if use_tma else None
     _fp8_gate_up_kernel[(n_tiles * triton.cdiv(F, bn),)](
@@ -617,7 +622,7 @@ def fp8_wgrad(
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int = 4,  # Run 12 sweep
-    num_stages: int = 4,
+    num_stages: int | None = None,
     padded: bool = False,
     tma: bool | None = None,
 ) -> torch.Tensor:
@@ -629,7 +634,8 @@ def fp8_wgrad(
         bt_q, bt_s: (Ncol, Nr) e4m3 and (Ncol, Nr // 128 + E) fp32: the same for X (Nr or gathered
             T rows, Ncol). Both must come from the same offsets_E1 (same 128-row tiles).
         offsets_E1: (E+1,) int32.
-        num_warps, num_stages: launch parameters (bench sweeps; the interpreter uses 4 warps).
+        num_warps, num_stages: launch parameters (bench sweeps; the interpreter uses 4 warps);
+            num_stages None: 3 with TMA, 4 without (Run 22 sweep).
         padded: the operands are in the padded layout of ``quantize_cols_grouped(..., padded=True)``:
             at_q (M, n_tiles * 128), bt_q (Ncol, n_tiles * 128), at_s (M, n_tiles), bt_s
             (Ncol, n_tiles), n_tiles = Nr // 128 + E; tile i at columns [128 i, 128 i + 128),
@@ -678,6 +684,8 @@ def fp8_wgrad(
     use_tma = padded and (USE_TMA if tma is None else tma)
     at_desc = _tma_descriptor(at_q, M, bm) if use_tma else None
     bt_desc = _tma_descriptor(bt_q, NCOL, bn) if use_tma else None
+    if num_stages is None:
+        num_stages = 3 if at_desc is not None and bt_desc is not None else 4
     _fp8_wgrad_kernel[(E * triton.cdiv(M, bm) * triton.cdiv(NCOL, bn),)](
         at_q, at_s, bt_q, bt_s, out, offsets_E1, tile_offs, at_desc, bt_desc, n_tiles, ld, M, NCOL,
         BLOCK_M=bm, BLOCK_N=bn, SOFT=interpreting(), PADDED=padded,

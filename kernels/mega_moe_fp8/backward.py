@@ -61,9 +61,10 @@ WGRAD_PADDED = True
 # DH_SPLIT: dA' by fp8_grouped_gemm (dy rows gathered, fp32 out), then the SwiGLU backward + dH
 # quantization in an elementwise kernel, instead of the fused _fp8_dh_kernel. Why: the fused kernel
 # holds the GEMM's and the epilogue's tiles at once (255 registers, spills, one CTA per SM) and ran
-# at 1.76 ms at the 30B shape, ~2.5x a lone FP8 GEMM of its size (Runs 19, 21). Predicted ~1.2 ms
-# split (GEMM ~0.7 + 1.6 GB elementwise ~0.45); off until measured in the whole op. Read per call.
-DH_SPLIT = False
+# at 1.75 ms at the 30B shape, ~2.5x a lone FP8 GEMM of its size (Runs 19, 21). Split: 1.13 ms
+# (Run 22 sweep, same call; predicted ~1.2); whole op 11.36 -> 10.53 ms at 30B, 34.6 -> 33.2 at
+# 235B. Read per call; False selects the fused kernel (the same numbers, bitwise).
+DH_SPLIT = True
 DH_EPILOGUE_BLOCK_M = 32  # rows per program of the split epilogue (memory-bound; ~6 fp32 tiles live)
 
 
