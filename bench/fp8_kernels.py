@@ -55,6 +55,25 @@ def main(T: int = 16384, top_k: int = 8, E: int = 128) -> None:
         q("quantize_dual x (T,D)", lambda: Q.quantize_dual(x), T * D * 4)
         q("quantize_cols_grouped x gathered", lambda: Q.quantize_cols_grouped(x, offs, slots, top_k, tiles=tiles), N * D * 3)
         q("quantize_weight w1 (E,F,D)", lambda: Q.quantize_weight(w1), E * F * D * 3)
+        # The expert weight cache's refresh from float32 masters: since Run 22 one pass per weight
+        # (both layouts, bf16 rounding in the kernel); before, casts, five quantizations, a byte
+        # transpose of w2 and a torch.cat of w1's and w3's transposes (the Run 22 profile's 13.5 ms).
+        from kernels.mega_moe_fp8.backward import _transposed
+        from kernels.mega_moe_fp8.weights import QuantizedExpertWeights
+
+        masters = [w.float() for w in (w1, w3, w2)]
+        cache = QuantizedExpertWeights.empty(E, F, D, dev)
+
+        def refresh_before():
+            b1, b3, b2 = (m.to(torch.bfloat16) for m in masters)
+            (q1, s1), (q3, s3), (q2, s2) = (Q.quantize_weight(b) for b in (b1, b3, b2))
+            _transposed(q2), s2.mT.contiguous()
+            (h1, t1), (h3, t3) = (Q.quantize_weight(b) for b in (b1, b3))
+            torch.cat([h1.view(torch.uint8).mT, h3.view(torch.uint8).mT], 2), torch.cat([t1.mT, t3.mT], 2).contiguous()
+
+        q("weight refresh, one pass (fp32 in)", lambda: QuantizedExpertWeights.quantize(
+            *masters, round_to_bf16=True, out=cache), 3 * E * F * D * 6)
+        q("weight refresh, before Run 22", refresh_before, 3 * E * F * D * 6)
         xq, xs = Q.quantize_rowwise(x)
         w1q, w1s = Q.quantize_weight(w1)
         w3q, w3s = Q.quantize_weight(w3)

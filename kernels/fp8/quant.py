@@ -332,10 +332,19 @@ def _weight_kernel(
     w_ptr,  # (E, N, K)
     q_ptr,  # (E, N, K) uint8 out
     s_ptr,  # (E, cdiv(N, 128), cdiv(K, 128)) fp32 out
+    qt_ptr,  # (E, K, LDT) uint8 out: q transposed at columns [QT_COL0, QT_COL0 + QT_COLS) (if TRANS)
+    st_ptr,  # (E, cdiv(K, 128), LDST) fp32 out: s transposed at columns ST_COL0... (if TRANS)
     N,
     K,
+    LDT,
+    QT_COL0,
+    QT_COLS,
+    LDST,
+    ST_COL0,
     POW2: tl.constexpr,
     SOFT: tl.constexpr,
+    TRANS: tl.constexpr = False,
+    ROUND_BF16: tl.constexpr = False,
 ):
     e = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
@@ -345,10 +354,24 @@ def _weight_kernel(
     mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
     off = e * N * K + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
     w = tl.load(w_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    if ROUND_BF16:
+        # The values a bf16 cast of w holds: round to nearest even on the bits (exact for finite
+        # values, as torch's .to(bfloat16)); the interpreter's own fp32 -> bf16 cast differs.
+        u = w.to(tl.int32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & -65536  # -65536 == 0xFFFF0000
+        w = u.to(tl.float32, bitcast=True)
     s = scale_from_amax(tl.max(tl.max(tl.abs(w), axis=1), axis=0), POW2)
     q = to_e4m3_bits(quantize_tile(w, s), SOFT)
     tl.store(q_ptr + off, q, mask=mask)
     tl.store(s_ptr + (e * tl.cdiv(N, _TILE) + nb) * tl.cdiv(K, _TILE) + kb, s)
+    if TRANS:
+        # The dgrad layout from the same bytes: transposed in registers, so the store runs along the
+        # transposed rows. Columns n in [N, QT_COLS) (padding of a layout rounded up to 128) get
+        # the masked loads' zeros.
+        tmask = (offs_k < K)[:, None] & (offs_n < QT_COLS)[None, :]
+        toff = e * K * LDT + offs_k.to(tl.int64)[:, None] * LDT + QT_COL0 + offs_n[None, :]
+        tl.store(qt_ptr + toff, tl.trans(q), mask=tmask)
+        tl.store(st_ptr + (e * tl.cdiv(K, _TILE) + kb) * LDST + ST_COL0 + nb, s)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -485,7 +508,7 @@ def quantize_weight(w: torch.Tensor, pow2_scales: bool = False) -> tuple[torch.T
         q: e4m3, w's shape.
         s: fp32 (E, ceil(N/128), ceil(K/128)) (or without E for a 2-D w),
             ``w[e, n, k] ~= q[e, n, k] * s[e, n // 128, k // 128]``. The transposed weight is
-            ``(q.mT, s.mT)``: same bytes, same scales.
+            ``(q.mT, s.mT)``: same bytes, same scales (:func:`quantize_weight_into` writes it too).
     """
     if w.dim() == 2:
         q, s = quantize_weight(w.unsqueeze(0), pow2_scales)
@@ -494,9 +517,49 @@ def quantize_weight(w: torch.Tensor, pow2_scales: bool = False) -> tuple[torch.T
     E, N, K = w.shape
     q = torch.empty((E, N, K), device=w.device, dtype=FP8)
     s = torch.empty((E, triton.cdiv(N, TILE), triton.cdiv(K, TILE)), device=w.device, dtype=torch.float32)
-    if q.numel() == 0:
-        return q, s
-    _weight_kernel[(E, triton.cdiv(N, TILE), triton.cdiv(K, TILE))](
-        w, q.view(torch.uint8), s, N, K, POW2=pow2_scales, SOFT=interpreting(), num_warps=8,
-    )  # fmt: skip
+    quantize_weight_into(w, q, s, pow2_scales=pow2_scales)
     return q, s
+
+
+def quantize_weight_into(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, qt: torch.Tensor | None = None,
+                         st: torch.Tensor | None = None, qt_col0: int = 0, qt_cols: int | None = None,
+                         st_col0: int = 0, pow2_scales: bool = False, round_to_bf16: bool = False) -> None:
+    """:func:`quantize_weight` of w (E, N, K) into given tensors, optionally also writing the
+    transposed layout in the same pass (one read of w: the expert weight cache's refresh).
+
+    Args:
+        q, s: (E, N, K) e4m3 and (E, ceil(N/128), ceil(K/128)) fp32 outputs, contiguous.
+        qt, st: None, or (E, K, LDT) e4m3 and (E, ceil(K/128), LDST) fp32, contiguous: q transposed
+            is written to ``qt[:, :, qt_col0 : qt_col0 + qt_cols]`` (columns past N get zeros; N <=
+            qt_cols <= N rounded up to 128, default N) and s transposed to ``st[:, :, st_col0 : st_col0 + ceil(N/128)]``. Other
+            columns are not written (so two weights can share one qt, as the dX GEMM's [w1; w3]^T).
+        round_to_bf16: quantize the values of ``w.to(torch.bfloat16)`` (float32 master weights give
+            the bytes of the bf16 compute copy, without making it).
+    """
+    _check_input(w, 3, "w")
+    E, N, K = w.shape
+    NB, KB = triton.cdiv(N, TILE), triton.cdiv(K, TILE)
+    for t, shape, dtype, name in ((q, (E, N, K), FP8, "q"), (s, (E, NB, KB), torch.float32, "s")):
+        if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"quantize_weight_into: {name} must be a contiguous {dtype} {shape}, got "
+                             f"{t.dtype} {tuple(t.shape)}")
+    trans = qt is not None
+    if trans != (st is not None):
+        raise ValueError("quantize_weight_into: pass both qt and st, or neither")
+    qt_cols = N if qt_cols is None else qt_cols
+    if trans:
+        if (qt.dim() != 3 or qt.dtype != FP8 or not qt.is_contiguous() or qt.shape[:2] != (E, K)
+                or not N <= qt_cols <= NB * TILE or qt_col0 + qt_cols > qt.shape[2]):
+            raise ValueError(f"quantize_weight_into: qt must be a contiguous e4m3 ({E}, {K}, >= {qt_col0 + qt_cols}) "
+                             f"with N = {N} <= qt_cols <= {NB * TILE}; got {qt.dtype} {tuple(qt.shape)}, qt_cols {qt_cols}")
+        if (st.dim() != 3 or st.dtype != torch.float32 or not st.is_contiguous() or st.shape[:2] != (E, KB)
+                or st_col0 + NB > st.shape[2]):
+            raise ValueError(f"quantize_weight_into: st must be a contiguous fp32 ({E}, {KB}, >= {st_col0 + NB}); "
+                             f"got {st.dtype} {tuple(st.shape)}")
+    if q.numel() == 0:
+        return
+    _weight_kernel[(E, NB, KB)](
+        w, q.view(torch.uint8), s, qt.view(torch.uint8) if trans else q.view(torch.uint8), st if trans else s,
+        N, K, qt.shape[2] if trans else 0, qt_col0, qt_cols, st.shape[2] if trans else 0, st_col0,
+        POW2=pow2_scales, SOFT=interpreting(), TRANS=trans, ROUND_BF16=round_to_bf16, num_warps=8,
+    )  # fmt: skip

@@ -21,6 +21,12 @@ import dataclasses
 
 import torch
 
+TILE = 128
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
 # The tensor fields, in the order of tensors() (the custom ops take them as one list).
 TENSOR_FIELDS = ("w1_q", "w1_s", "w3_q", "w3_s", "w2_q", "w2_s", "w2t_q", "w2t_s", "w13t_q", "w13t_s")
 
@@ -41,19 +47,44 @@ class QuantizedExpertWeights:
 
     @classmethod
     def quantize(cls, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor, w2_EDF: torch.Tensor,
-                 pow2_scales: bool = False) -> "QuantizedExpertWeights":
-        """Quantize the three weights (any float dtype; the op's inputs are bf16, so pass bf16 to
-        get exactly the per-call quantization)."""
-        from kernels.fp8.quant import quantize_weight
-        from kernels.mega_moe_fp8.backward import _transposed, dx_weight
+                 pow2_scales: bool = False, round_to_bf16: bool = False,
+                 out: "QuantizedExpertWeights | None" = None) -> "QuantizedExpertWeights":
+        """Quantize the three weights (any float dtype; the op's inputs are bf16, so pass bf16, or
+        float32 with ``round_to_bf16``, to get exactly the per-call quantization).
+
+        One pass per weight writes both of its layouts (``quant.quantize_weight_into``): the
+        forward's, and the transposed one of the backward (w2t; w1 and w3 into the two halves of
+        w13t). ``out``: write into these tensors (the weight cache's buffers) instead of new ones.
+        """
+        from kernels.fp8.quant import quantize_weight_into
 
         w1_EFD, w3_EFD, w2_EDF = (w.contiguous() for w in (w1_EFD, w3_EFD, w2_EDF))
-        w1_q, w1_s = quantize_weight(w1_EFD, pow2_scales)
-        w3_q, w3_s = quantize_weight(w3_EFD, pow2_scales)
-        w2_q, w2_s = quantize_weight(w2_EDF, pow2_scales)
-        w13t_q, w13t_s = dx_weight(w1_EFD, w3_EFD, pow2_scales)
-        return cls(w1_q, w1_s, w3_q, w3_s, w2_q, w2_s, _transposed(w2_q), w2_s.mT.contiguous(), w13t_q, w13t_s,
-                   pow2_scales)
+        E, F, D = w1_EFD.shape
+        if out is None:
+            out = cls.empty(E, F, D, w1_EFD.device, pow2_scales)
+        else:
+            out.check_matches(w1_EFD, w3_EFD, w2_EDF, pow2_scales)
+        FP, FB = _cdiv(F, TILE) * TILE, _cdiv(F, TILE)
+        kw = dict(pow2_scales=pow2_scales, round_to_bf16=round_to_bf16)
+        quantize_weight_into(w1_EFD, out.w1_q, out.w1_s, out.w13t_q, out.w13t_s, 0, FP, 0, **kw)
+        quantize_weight_into(w3_EFD, out.w3_q, out.w3_s, out.w13t_q, out.w13t_s, FP, FP, FB, **kw)
+        quantize_weight_into(w2_EDF, out.w2_q, out.w2_s, out.w2t_q, out.w2t_s, **kw)
+        return out
+
+    @classmethod
+    def empty(cls, E: int, F: int, D: int, device, pow2_scales: bool = False) -> "QuantizedExpertWeights":
+        """Uninitialised tensors of the layouts (w13t's padding columns, when F % 128 != 0, zeroed:
+        the quantization writes them too, but a buffer must never hold garbage there)."""
+        FB, DB = _cdiv(F, TILE), _cdiv(D, TILE)
+        fp8, f32 = torch.float8_e4m3fn, torch.float32
+
+        def new(shape, dtype):
+            return torch.empty(shape, device=device, dtype=dtype)
+
+        return cls(new((E, F, D), fp8), new((E, FB, DB), f32), new((E, F, D), fp8), new((E, FB, DB), f32),
+                   new((E, D, F), fp8), new((E, DB, FB), f32), new((E, F, D), fp8), new((E, FB, DB), f32),
+                   torch.zeros((E, D, 2 * FB * TILE), device=device, dtype=torch.uint8).view(fp8),
+                   new((E, DB, 2 * FB), f32), pow2_scales)
 
     def tensors(self) -> list[torch.Tensor]:
         """The ten tensors in a fixed order (the custom ops take them as one list)."""
