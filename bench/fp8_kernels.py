@@ -55,9 +55,9 @@ def main(T: int = 16384, top_k: int = 8, E: int = 128) -> None:
         q("quantize_dual x (T,D)", lambda: Q.quantize_dual(x), T * D * 4)
         q("quantize_cols_grouped x gathered", lambda: Q.quantize_cols_grouped(x, offs, slots, top_k, tiles=tiles), N * D * 3)
         q("quantize_weight w1 (E,F,D)", lambda: Q.quantize_weight(w1), E * F * D * 3)
-        # The expert weight cache's refresh from float32 masters: since Run 22 one pass per weight
-        # (both layouts, bf16 rounding in the kernel); before, casts, five quantizations, a byte
-        # transpose of w2 and a torch.cat of w1's and w3's transposes (the Run 22 profile's 13.5 ms).
+        # The expert weight cache's refresh from float32 masters: since session 8 a bf16 cast and one
+        # quantization pass per weight writing both layouts; before, the casts, five quantizations, a
+        # byte transpose of w2 and a torch.cat of w1's and w3's transposes (Run 22 profile: 13.5 ms).
         from kernels.mega_moe_fp8.backward import _transposed
         from kernels.mega_moe_fp8.weights import QuantizedExpertWeights
 
@@ -71,8 +71,8 @@ def main(T: int = 16384, top_k: int = 8, E: int = 128) -> None:
             (h1, t1), (h3, t3) = (Q.quantize_weight(b) for b in (b1, b3))
             torch.cat([h1.view(torch.uint8).mT, h3.view(torch.uint8).mT], 2), torch.cat([t1.mT, t3.mT], 2).contiguous()
 
-        q("weight refresh, one pass (fp32 in)", lambda: QuantizedExpertWeights.quantize(
-            *masters, round_to_bf16=True, out=cache), 3 * E * F * D * 6)
+        q("weight refresh, cast + one pass", lambda: QuantizedExpertWeights.quantize(
+            *(m.to(torch.bfloat16) for m in masters), out=cache), 3 * E * F * D * 6)
         q("weight refresh, before Run 22", refresh_before, 3 * E * F * D * 6)
         xq, xs = Q.quantize_rowwise(x)
         w1q, w1s = Q.quantize_weight(w1)

@@ -47,10 +47,10 @@ class QuantizedExpertWeights:
 
     @classmethod
     def quantize(cls, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor, w2_EDF: torch.Tensor,
-                 pow2_scales: bool = False, round_to_bf16: bool = False,
+                 pow2_scales: bool = False,
                  out: "QuantizedExpertWeights | None" = None) -> "QuantizedExpertWeights":
-        """Quantize the three weights (any float dtype; the op's inputs are bf16, so pass bf16, or
-        float32 with ``round_to_bf16``, to get exactly the per-call quantization).
+        """Quantize the three weights (any float dtype; the op's inputs are bf16, so pass bf16 to
+        get exactly the per-call quantization).
 
         One pass per weight writes both of its layouts (``quant.quantize_weight_into``): the
         forward's, and the transposed one of the backward (w2t; w1 and w3 into the two halves of
@@ -65,7 +65,7 @@ class QuantizedExpertWeights:
         else:
             out.check_matches(w1_EFD, w3_EFD, w2_EDF, pow2_scales)
         FP, FB = _cdiv(F, TILE) * TILE, _cdiv(F, TILE)
-        kw = dict(pow2_scales=pow2_scales, round_to_bf16=round_to_bf16)
+        kw = dict(pow2_scales=pow2_scales)
         quantize_weight_into(w1_EFD, out.w1_q, out.w1_s, out.w13t_q, out.w13t_s, 0, FP, 0, **kw)
         quantize_weight_into(w3_EFD, out.w3_q, out.w3_s, out.w13t_q, out.w13t_s, FP, FP, FB, **kw)
         quantize_weight_into(w2_EDF, out.w2_q, out.w2_s, out.w2t_q, out.w2t_s, **kw)

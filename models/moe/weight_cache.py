@@ -121,12 +121,9 @@ class ExpertWeightCache(nn.Module):
         return self._quantize(w1, w3, w2).tensors()
 
     def _quantize(self, w1, w3, w2, out=None):
-        """The e4m3 copies of (w1, w3, w2) as the op would make them from their compute-dtype
-        values; float32 masters are rounded to bf16 inside the quantization pass (no cast copy)."""
+        """The e4m3 copies of (w1, w3, w2) as the op makes them from their compute-dtype values."""
         from kernels.mega_moe_fp8.weights import QuantizedExpertWeights
 
-        if self.dtype == torch.bfloat16 and w1.dtype == torch.float32:
-            return QuantizedExpertWeights.quantize(w1, w3, w2, self.pow2_scales, round_to_bf16=True, out=out)
         return QuantizedExpertWeights.quantize(w1.to(self.dtype), w3.to(self.dtype), w2.to(self.dtype),
                                                self.pow2_scales, out=out)
 
