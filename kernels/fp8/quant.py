@@ -523,9 +523,10 @@ def quantize_weight_into(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, qt: 
     Args:
         q, s: (E, N, K) e4m3 and (E, ceil(N/128), ceil(K/128)) fp32 outputs, contiguous.
         qt, st: None, or (E, K, LDT) e4m3 and (E, ceil(K/128), LDST) fp32, contiguous: q transposed
-            is written to ``qt[:, :, qt_col0 : qt_col0 + qt_cols]`` (columns past N get zeros; N <=
-            qt_cols <= N rounded up to 128, default N) and s transposed to ``st[:, :, st_col0 : st_col0 + ceil(N/128)]``. Other
-            columns are not written (so two weights can share one qt, as the dX GEMM's [w1; w3]^T).
+            is written to ``qt[:, :, qt_col0 : qt_col0 + qt_cols]`` (columns past N get zeros;
+            N <= qt_cols <= N rounded up to 128, default N), s transposed to
+            ``st[:, :, st_col0 : st_col0 + ceil(N/128)]``. Other columns are not written (so two
+            weights can share one qt, as the dX GEMM's [w1; w3]^T).
     Not done here: rounding float32 masters to bf16 in the same pass. Built that way in session 8, it
     matched under the interpreter and on the H200 without the transposed store, but wrote wrong
     bytes on the H200 with it (Run 22, bench/NOTES.md); callers cast first.

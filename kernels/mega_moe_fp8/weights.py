@@ -20,12 +20,9 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import triton
 
-TILE = 128
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from kernels.fp8.quant import FP8, TILE, quantize_weight_into
 
 # The tensor fields, in the order of tensors() (the custom ops take them as one list).
 TENSOR_FIELDS = ("w1_q", "w1_s", "w3_q", "w3_s", "w2_q", "w2_s", "w2t_q", "w2t_s", "w13t_q", "w13t_s")
@@ -56,15 +53,14 @@ class QuantizedExpertWeights:
         forward's, and the transposed one of the backward (w2t; w1 and w3 into the two halves of
         w13t). ``out``: write into these tensors (the weight cache's buffers) instead of new ones.
         """
-        from kernels.fp8.quant import quantize_weight_into
-
         w1_EFD, w3_EFD, w2_EDF = (w.contiguous() for w in (w1_EFD, w3_EFD, w2_EDF))
         E, F, D = w1_EFD.shape
         if out is None:
             out = cls.empty(E, F, D, w1_EFD.device, pow2_scales)
         else:
             out.check_matches(w1_EFD, w3_EFD, w2_EDF, pow2_scales)
-        FP, FB = _cdiv(F, TILE) * TILE, _cdiv(F, TILE)
+        FB = triton.cdiv(F, TILE)
+        FP = FB * TILE
         kw = dict(pow2_scales=pow2_scales)
         quantize_weight_into(w1_EFD, out.w1_q, out.w1_s, out.w13t_q, out.w13t_s, 0, FP, 0, **kw)
         quantize_weight_into(w3_EFD, out.w3_q, out.w3_s, out.w13t_q, out.w13t_s, FP, FP, FB, **kw)
@@ -75,8 +71,8 @@ class QuantizedExpertWeights:
     def empty(cls, E: int, F: int, D: int, device, pow2_scales: bool = False) -> "QuantizedExpertWeights":
         """Uninitialised tensors of the layouts (w13t's padding columns, when F % 128 != 0, zeroed:
         the quantization writes them too, but a buffer must never hold garbage there)."""
-        FB, DB = _cdiv(F, TILE), _cdiv(D, TILE)
-        fp8, f32 = torch.float8_e4m3fn, torch.float32
+        FB, DB = triton.cdiv(F, TILE), triton.cdiv(D, TILE)
+        fp8, f32 = FP8, torch.float32
 
         def new(shape, dtype):
             return torch.empty(shape, device=device, dtype=dtype)
