@@ -3,10 +3,12 @@
 With g, u the gate/up halves of H (saved by the forward, expert-sorted rows r, slot = sorted_slot[r]):
 
     dy_q, dy_s  = quantize_rowwise(dy)                                   1 x 128 along D
-    dA'[r]      = dy[tok(r)] @ w2[e]                                     _fp8_dh_kernel: FP8 GEMM
-    ds[slot]    = rowsum(dA'[r] * silu(g) * u)                           with the SwiGLU backward
-    dgate = s * dA' * u * silu'(g),  dup = s * dA' * silu(g)             as its epilogue, which also
+    dA'[r]      = dy[tok(r)] @ w2[e]                                     fp8_grouped_gemm (fp32 out),
+    ds[slot]    = rowsum(dA'[r] * silu(g) * u)                           then _dh_from_da_kernel: the
+    dgate = s * dA' * u * silu'(g),  dup = s * dA' * silu(g)             SwiGLU backward, which also
                                                                          writes dH quantized 1 x 128
+                                                                         (DH_SPLIT; else one fused
+                                                                         kernel, _fp8_dh_kernel)
     dXbuf[slot] = [dgate | dup] @ [w1[e]; w3[e]];  dx[t] = sum_k dXbuf   fp8_grouped_gemm over
                                                                          K = 2F, scatter epilogue
     dW1[e] = dgate_e^T @ x_e, dW3[e] = dup_e^T @ x_e, dW2[e] = dy_e^T @ (s * A)_e
@@ -16,8 +18,8 @@ With g, u the gate/up halves of H (saved by the forward, expert-sorted rows r, s
         wgrad="bf16": the bf16 mega kernels ``dw13`` / ``dw2`` on dH, x, dy, s * A
 
 dgrad reads each weight transposed: w2[e] as (F, D) and [w1[e]; w3[e]] as (D, 2F). A 128 x 128
-block's scale serves both orientations, so the transposed operand is the e4m3 bytes transposed
-(one byte per element copied), never a requantization. When F is not a multiple of 128 the dX
+block's scale serves both orientations, so the transposed operand is the e4m3 bytes transposed,
+written by the same quantization pass (``quantize_weight_into``), never a requantization. When F is not a multiple of 128 the dX
 GEMM's K = 2F is laid out as two halves of F rounded up to 128 (zero padded), so that no 1 x 128
 tile of dH and no weight block straddles the gate/up boundary.
 
