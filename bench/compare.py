@@ -535,12 +535,44 @@ def add_ratios(results: list[dict[str, Any]]) -> dict[str, Any]:
     ours = [r for r in measured if r["trainer"] == "ours"]
     ours_best = max(ours, key=lambda r: r["tokens_per_s"], default=None)
     ours_bf16 = max((r for r in ours if r["precision"] == "bf16"), key=lambda r: r["tokens_per_s"], default=None)
+    # --repeat: the best-vs-best ratio within each round (the two runs adjacent in time).
+    oe, te = ((r or {}).get("tokens_per_s_each") for r in (ours_best, best))
+    each = [o / t for o, t in zip(oe, te)] if oe and te and len(oe) == len(te) else None
     return {
         "titan_best": best and best["name"], "titan_bf16": bf16 and bf16["name"],
         "ours_best": ours_best and ours_best["name"],
         "ours_best_vs_titan_best": ours_best["vs_titan_best"] if ours_best and best else None,
+        "ours_best_vs_titan_best_each": each,
         "same_precision_bf16": ours_bf16["vs_titan_bf16"] if ours_bf16 and bf16 else None,
     }
+
+
+def combine_repeats(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report entry from a run's repetitions (``--repeat``): all ok -> the means of tokens/s, step
+    time and MFU, the max of peak memory, the first repetition's loss and breakdown, each
+    repetition's tokens/s in ``tokens_per_s_each``; otherwise the first repetition that was not ok
+    (its status says which)."""
+    if len(entries) == 1:
+        return entries[0]
+    bad = next((e for e in entries if e.get("status") != "ok"), None)
+    if bad is not None:
+        i = entries.index(bad)
+        out = dict(bad)
+        if out.get("status") not in ("skipped", "dry run"):
+            out["status"] = f"{bad.get('status')} (repetition {i + 1} of {len(entries)})"
+        return out
+    out = dict(entries[0])
+
+    def mean(key):
+        vals = [e[key] for e in entries if e.get(key) is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    out.update(tokens_per_s=mean("tokens_per_s"), step_time_s=mean("step_time_s"), mfu_pct=mean("mfu_pct"),
+               tflops=mean("tflops"), tokens_per_s_each=[e["tokens_per_s"] for e in entries],
+               logs=[e.get("log") for e in entries])
+    mems = [e["peak_memory_gib"] for e in entries if e.get("peak_memory_gib") is not None]
+    out["peak_memory_gib"] = max(mems) if mems else None
+    return out
 
 
 def failure_reason(text: str) -> str:
@@ -594,8 +626,11 @@ def markdown(report: dict[str, Any]) -> str:
             status += f": {r['reason'].replace('|', '/')}"
         if ok and r.get("window_note"):
             status += f" ({r['window_note']})"
+        tps = _fmt(r.get("tokens_per_s"), ",.0f") if ok else ""
+        if ok and r.get("tokens_per_s_each"):
+            tps += f" ({min(r['tokens_per_s_each']):,.0f}-{max(r['tokens_per_s_each']):,.0f})"
         lines.append(" | ".join([
-            f"| {r['label']}", _fmt(r.get("tokens_per_s"), ",.0f") if ok else "",
+            f"| {r['label']}", tps,
             _fmt(r.get("vs_titan_best"), ".3f", "x") if ok else "", _fmt(r.get("vs_titan_bf16"), ".3f", "x") if ok else "",
             _fmt(r.get("step_time_s"), ".3f", " s") if ok else "", _fmt(r.get("mfu_pct"), ".1f", "%") if ok else "",
             _fmt(r.get("peak_memory_gib"), ".1f", " GiB") if ok else "",
@@ -606,6 +641,11 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"Best of ours ({ratios['ours_best']}) against TorchTitan's best ({ratios['titan_best']}): "
                      f"**{ratios['ours_best_vs_titan_best']:.3f}x**; same precision (our best bf16 against "
                      f"TorchTitan bf16): {_fmt(ratios.get('same_precision_bf16'), '.3f', 'x') or 'n/a'}.")
+    if report.get("repeat", 1) > 1:
+        each = ratios.get("ours_best_vs_titan_best_each")
+        lines.append(f"Each run ran {report['repeat']} times, interleaved (every run once, then again): tokens/s is "
+                     f"the mean of the repetitions' means, in brackets their min-max"
+                     + (f"; best against best per round: {', '.join(f'{x:.3f}x' for x in each)}." if each else "."))
     lines += [
         "Peak memory is as each trainer logs it: TorchTitan's max *reserved*, ours max *allocated*. "
         "Step time for TorchTitan is tokens per step / its tps (it logs no step time). MFU: both count "
@@ -733,6 +773,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
                    help="an extra run NAME: ours_mega with ARGS added (repeatable), e.g. "
                         "no_cache='--moe.cache_expert_weights false'")
+    p.add_argument("--repeat", type=int, default=1, help="run the selected runs this many times, interleaved "
+                   "(a, b, a, b, ...); the report gives each run's mean tokens/s with its min-max and the "
+                   "best-vs-best ratio of each round (upstream's tokens/s moved ~6%% between sessions, Run 22)")
     p.add_argument("--reuse", action="store_true", help="keep the result of a run whose log in --out already "
                    "covers the window with the same command (to split the runs over several calls)")
     p.add_argument("--dry-run", action="store_true", help="write the TOML and data, print the commands, run nothing")
@@ -741,6 +784,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.model not in MODELS:
         p.error(f"unknown model {args.model}")
+    if args.repeat < 1:
+        p.error(f"--repeat {args.repeat} must be >= 1")
     if args.gpus < 1 or args.ep < 1 or args.gpus % args.ep:
         p.error(f"--ep {args.ep} must be >= 1 and divide --gpus {args.gpus}")
     return args
@@ -821,11 +866,14 @@ def main(argv: list[str] | None = None) -> int:
             if r.trainer == "torchtitan" and not r.skip:
                 r.skip = why["titan"] or (why["titan_fp8"] if r.precision == "fp8" else "")
     deadline = time.monotonic() + args.budget if args.budget else None
-    for run in runs:
+    report["repeat"] = args.repeat
+    reps: dict[str, list[dict[str, Any]]] = {run.name: [] for run in runs}
+    for i, run in ((i, run) for i in range(args.repeat) for run in runs):
         entry: dict[str, Any] = {"name": run.name, "label": run.label, "trainer": run.trainer,
                                  "precision": run.precision, "command": display(run.cmd), "skip": run.skip}
-        report["results"].append(entry)
-        log_path = out / "logs" / f"{run.name}.log"
+        reps[run.name].append(entry)
+        report["results"] = [combine_repeats(e) for e in reps.values() if e]
+        log_path = out / "logs" / (f"{run.name}.log" if i == 0 else f"{run.name}.rep{i + 1}.log")
         if args.reuse and log_path.is_file():
             text = log_path.read_text(encoding="utf-8", errors="replace")
             summary = summarize(parse_step_lines(text), args.seq_len, (lo, hi))
@@ -850,13 +898,15 @@ def main(argv: list[str] | None = None) -> int:
         if entry["status"] != "ok":
             entry["reason"] = failure_reason(text)
             entry["log_tail"] = text.splitlines()[-15:]
-        if setting.profile:
+        if setting.profile and i == 0:  # one profile per run: the first repetition's
             entry.update(profile_breakdown(setting, run, out))
         print(f"[{run.name}] {entry['status']} in {info['wall_s']}s"
               + (f": {summary['tokens_per_s']:,.0f} tokens/s, {summary['step_time_s']:.3f} s/step, "
                  f"loss {summary['final_loss']}" if entry["status"] == "ok" else f": {entry['reason']}"), flush=True)
+        report["results"] = [combine_repeats(e) for e in reps.values() if e]
         write_report(report, out, chart=False)  # partial results survive a run that kills us
 
+    report["results"] = [combine_repeats(e) for e in reps.values() if e]
     chart = write_report(report, out, chart=not args.dry_run)
     print(markdown(report))
     if table := breakdown_table(report["results"]):

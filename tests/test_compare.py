@@ -303,3 +303,42 @@ def test_profile_runs_after_the_window_and_breakdowns(tmp_path):
     table = compare.breakdown_table([{"name": "ours_mega", **entry}, {"name": "titan_bf16", "status": "ok"}])
     assert table.splitlines()[0] == "| ms / step | ours_mega |" and "| moe | 0.0 |" in table
     assert compare.profile_breakdown(setting, runs["titan_bf16"], tmp_path) == {"breakdown_error": "no trace written"}
+
+
+def test_repeat_interleaves_runs_and_reports_means(tmp_path, monkeypatch):
+    """--repeat 2: the runs go a, b, a, b (each repetition its own log); the report gives each run's
+    mean tokens/s with its min-max and the best-vs-best ratio per round; a repetition that fails
+    makes the run's row say which."""
+    order, tps = [], {"titan_bf16": iter([50_000, 54_000]), "ours_mega": iter([80_000, 81_000])}
+
+    def fake_run(run, log_path, timeout_s, env):
+        order.append((run.name, log_path.name))
+        t = next(tps[run.name])
+        if run.trainer == "torchtitan":
+            text = "\n".join(TITAN_LINE.format(step=s, loss=3.0, mem=50.0, tps=t, mfu=30.0) for s in range(1, 21))
+        else:
+            text = "\n".join(OURS_LINE.format(step=s, loss=3.0, mem=60.0, tps=t, dt=0.2, mfu=50.0) for s in range(1, 21))
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_path.write_text("$ x\n" + text + "\n", encoding="utf-8")
+        return {"returncode": 0, "timed_out": False, "wall_s": 1.0}
+
+    monkeypatch.setattr(compare, "run_one", fake_run)
+    monkeypatch.setattr(compare, "preflight", lambda env, python=None: {"titan": "", "titan_fp8": ""})
+    monkeypatch.setattr(compare, "_has", lambda package: True)  # upstream "installed": the runs are fakes
+    out = tmp_path / "o"
+    assert compare.main(["--only", "titan_bf16,ours_mega", "--repeat", "2", "--out", str(out)]) == 0
+    assert order == [("titan_bf16", "titan_bf16.log"), ("ours_mega", "ours_mega.log"),
+                     ("titan_bf16", "titan_bf16.rep2.log"), ("ours_mega", "ours_mega.rep2.log")]
+    report = json.loads((out / "compare.json").read_text())
+    rows = {r["name"]: r for r in report["results"]}
+    assert rows["titan_bf16"]["tokens_per_s"] == pytest.approx(52_000)
+    assert rows["ours_mega"]["tokens_per_s_each"] == pytest.approx([80_000, 81_000])
+    assert report["ratios"]["ours_best_vs_titan_best"] == pytest.approx(80_500 / 52_000)
+    assert report["ratios"]["ours_best_vs_titan_best_each"] == pytest.approx([1.6, 81 / 54])
+    md = (out / "compare.md").read_text()
+    assert "| 52,000 (50,000-54,000) |" in md and "best against best per round: 1.600x, 1.500x." in md
+
+    failed = compare.combine_repeats([{"status": "ok", "tokens_per_s": 1.0}, {"status": "failed", "reason": "oom"}])
+    assert failed["status"] == "failed (repetition 2 of 2)" and failed["reason"] == "oom"
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--repeat", "0"])
