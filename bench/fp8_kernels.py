@@ -114,9 +114,9 @@ def time_moe_ops(T=16384, top_k=8, E=128, shapes=SHAPES, iters=20, device="cuda"
     quantizing its weights per call, and ``mega_fp8`` as the trainer runs it with the expert weight
     cache (``cached``: e4m3 copies made beforehand, float32 master weights as gradient carriers,
     their gradients written in float32); the cached op also with ``wgrad = "bf16"`` and with the
-    option combinations: TMA loads (``kernels.fp8.grouped_gemm.USE_TMA``), the split dH
-    (``kernels.mega_moe_fp8.backward.DH_SPLIT``), gate/up's scale prefetch (``GATE_UP_PREFETCH``).
-    Each row's ratio is bf16 ``mega`` / it.
+    option not yet on by default, the wgrad operands of dH and s * A written by the dH epilogue
+    (``kernels.mega_moe_fp8.backward.DH_COLS``), and with Run 21's defaults (no TMA, the fused dH
+    kernel) for reference. Each row's ratio is bf16 ``mega`` / it.
 
     ``timer(fn, iters)`` returns ms (default: CUDA events, :func:`bench.timing.time_ms`); the tests run
     this at a tiny size on CPU with a wall clock to exercise the code paths.
@@ -131,20 +131,16 @@ def time_moe_ops(T=16384, top_k=8, E=128, shapes=SHAPES, iters=20, device="cuda"
         quantized = QuantizedExpertWeights.quantize(w1, w3, w2)
         cached = functools.partial(get_moe_backend("mega_fp8"), quantized=quantized)
         master = (w1.float(), w3.float(), w2.float())
-        # label -> (op, weights, (G.USE_TMA, B.DH_SPLIT, G.GATE_UP_PREFETCH))
-        default = (G.USE_TMA, B.DH_SPLIT, G.GATE_UP_PREFETCH)
+        # label -> (op, weights, (G.USE_TMA, B.DH_SPLIT, G.GATE_UP_PREFETCH, B.DH_COLS))
+        default = (G.USE_TMA, B.DH_SPLIT, G.GATE_UP_PREFETCH, B.DH_COLS)
         variants = {
             "mega (bf16)": (get_moe_backend("mega"), (w1, w3, w2), default),
             "mega_fp8, weights quantized per call": (get_moe_backend("mega_fp8"), (w1, w3, w2), default),
             "mega_fp8 cached": (cached, master, default),
             "  + bf16 wgrad": (functools.partial(_with_bf16_wgrad, get_moe_backend("mega_fp8"), quantized),
                                master, default),
-            "  TMA on, dH split off, prefetch on": (cached, master, (True, False, True)),
-            "  TMA off, dH split on, prefetch on": (cached, master, (False, True, True)),
-            "  TMA on, dH split on, prefetch on": (cached, master, (True, True, True)),
-            "  TMA off, dH split off, prefetch off": (cached, master, (False, False, False)),
-            "  TMA on, dH split off, prefetch off": (cached, master, (True, False, False)),
-            "  TMA on, dH split on, prefetch off": (cached, master, (True, True, False)),
+            "  dH cols on (wgrad operands from the epilogue)": (cached, master, (True, True, True, True)),
+            "  Run 21 defaults (no TMA, fused dH)": (cached, master, (False, False, True, False)),
         }
         flops = 2 * T * top_k * D * F * 3  # forward: gate, up, down
         ms = {}
@@ -158,11 +154,11 @@ def time_moe_ops(T=16384, top_k=8, E=128, shapes=SHAPES, iters=20, device="cuda"
             def fwd_bwd(fn=fn, leaves=leaves):
                 torch.autograd.grad(fn(leaves[0], ids, *leaves[1:]), leaves, dy)
 
-            G.USE_TMA, B.DH_SPLIT, G.GATE_UP_PREFETCH = flags  # read at each launch
+            G.USE_TMA, B.DH_SPLIT, G.GATE_UP_PREFETCH, B.DH_COLS = flags  # read at each launch
             try:
                 ms[label] = (timer(fwd, iters), timer(fwd_bwd, iters))
             finally:
-                G.USE_TMA, B.DH_SPLIT, G.GATE_UP_PREFETCH = default
+                G.USE_TMA, B.DH_SPLIT, G.GATE_UP_PREFETCH, B.DH_COLS = default
         f16, fb16 = ms["mega (bf16)"]
         rows.append(f"{name} T={T} top-{top_k} E={E}: fwd ms, fwd+bwd ms (fwd+bwd TFLOP/s, bf16 mega / it)")
         for label, (f, fb) in ms.items():
@@ -234,6 +230,9 @@ def sweep(T: int = 16384, top_k: int = 8, E: int = 128, D: int = 2048, F: int = 
             dyq, dys, w2t_q, w2t_s, h, s_TK, slots, offs, block_m=bm, num_warps=warps, num_stages=stages), flops)
     t("dh split (fp8_grouped_gemm fp32 dA' + epilogue kernel)", lambda: B.dh_swiglu(
         dyq, dys, w2t_q, w2t_s, h, s_TK, slots, offs, split=True), flops)
+    for warps in (16, 8):  # DH_COLS: also dH and s * A quantized along the tokens (two quantize_cols passes less)
+        t(f"dh cols (split + wgrad operands from the epilogue) w{warps}", lambda: B.dh_swiglu_cols(
+            dyq, dys, w2t_q, w2t_s, h, s_TK, slots, offs, num_warps=warps), flops)
     _, (dhq, dhs), _, _ = B.dh_swiglu(dyq, dys, w2t_q, w2t_s, h, s_TK, slots, offs)
     w13t_q, w13t_s = B.dx_weight(w1, w3)
     for bm, bn, warps, stages, tma in ((64, 128, 4, 4, False), (128, 128, 8, 3, False), (64, 128, 4, 3, True),

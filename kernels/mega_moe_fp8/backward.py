@@ -189,14 +189,11 @@ def _dh_from_da_kernel(
 
 
 @triton.jit
-def _dh_epilogue(acc, rows, rmask, slot, offs_n, pid_n, s_ptr, h_ptr, dh_ptr, dhq_ptr, dhs_ptr, sa_ptr,
-                 ds_part_ptr, N, F, FB, STORE_SA: tl.constexpr, POW2: tl.constexpr, SOFT: tl.constexpr):
+def _dh_values(acc, rmask, slot, smask, rows64, offs_n, s_ptr, h_ptr, F, SOFT: tl.constexpr):
     """From dA' (``acc``, fp32, one 128-column tile of F): the SwiGLU backward from H as the bf16
-    kernel's epilogue does, dH stored and quantized 1 x 128, s * A, and this tile's partial ds."""
+    kernel's epilogue does. Returns dgate, dup (rounded to H's dtype), s * A (A rounded as in the
+    forward, then scaled and rounded: what dW2 multiplies) and this tile's partial ds."""
     s = tl.load(s_ptr + slot, mask=rmask, other=0.0)
-    rows64 = rows.to(tl.int64)
-    nmask = offs_n < F
-    smask = rmask[:, None] & nmask[None, :]
     h_ptrs = h_ptr + rows64[:, None] * (2 * F) + offs_n[None, :]
     g = tl.load(h_ptrs, mask=smask, other=0.0).to(tl.float32)
     u = tl.load(h_ptrs + F, mask=smask, other=0.0).to(tl.float32)
@@ -205,9 +202,21 @@ def _dh_epilogue(acc, rows, rmask, slot, offs_n, pid_n, s_ptr, h_ptr, dh_ptr, dh
     act = silu * u
     ds_part = tl.sum(acc * act, axis=1)
     da = acc * s[:, None]
-    dtype = dh_ptr.dtype.element_ty
+    dtype = h_ptr.dtype.element_ty
     dgate = cast_out(da * u * sig * (1.0 + g * (1.0 - sig)), dtype, SOFT)
     dup = cast_out(da * silu, dtype, SOFT)
+    sa = cast_out(cast_out(act, dtype, SOFT).to(tl.float32) * s[:, None], dtype, SOFT)
+    return dgate, dup, sa, ds_part
+
+
+@triton.jit
+def _dh_epilogue(acc, rows, rmask, slot, offs_n, pid_n, s_ptr, h_ptr, dh_ptr, dhq_ptr, dhs_ptr, sa_ptr,
+                 ds_part_ptr, N, F, FB, STORE_SA: tl.constexpr, POW2: tl.constexpr, SOFT: tl.constexpr):
+    """:func:`_dh_values`, then dH stored and quantized 1 x 128, s * A, and this tile's partial ds."""
+    rows64 = rows.to(tl.int64)
+    nmask = offs_n < F
+    smask = rmask[:, None] & nmask[None, :]
+    dgate, dup, sa, ds_part = _dh_values(acc, rmask, slot, smask, rows64, offs_n, s_ptr, h_ptr, F, SOFT)
     dh_ptrs = dh_ptr + rows64[:, None] * (2 * F) + offs_n[None, :]
     tl.store(dh_ptrs, dgate, mask=smask)
     tl.store(dh_ptrs + F, dup, mask=smask)
@@ -216,11 +225,87 @@ def _dh_epilogue(acc, rows, rmask, slot, offs_n, pid_n, s_ptr, h_ptr, dh_ptr, dh
     _store_quantized_half(dgate, nmask, rows64, rmask, offs_n, 0, pid_n, dhq_ptr, dhs_ptr, FP, FB, POW2, SOFT)
     _store_quantized_half(dup, nmask, rows64, rmask, offs_n, FP, FB + pid_n, dhq_ptr, dhs_ptr, FP, FB, POW2, SOFT)
     if STORE_SA:
-        # A rounded to the activation dtype as in the forward, then scaled: what dW2 multiplies.
-        sa = cast_out(act, dtype, SOFT).to(tl.float32) * s[:, None]
-        tl.store(sa_ptr + rows64[:, None] * F + offs_n[None, :], cast_out(sa, dtype, SOFT), mask=smask)
+        tl.store(sa_ptr + rows64[:, None] * F + offs_n[None, :], sa, mask=smask)
     # Partial ds of this F-tile; the launcher sums the partials in a fixed order.
     tl.store(ds_part_ptr + pid_n * N + slot, ds_part, mask=rmask)
+
+
+@triton.jit
+def _store_cols_quantized(v, smask, qrow64, nmask, pid_t, q_ptr, s_ptr, LDQ, num_tiles,
+                          POW2: tl.constexpr, SOFT: tl.constexpr):
+    """The 128 x 1 tiles of a (128 rows of one expert's tile pid_t) x (128 columns) block ``v``
+    stored as quantize_cols_grouped(..., padded=True) does: column c's bytes at row qrow64[c] of
+    q, columns [128 pid_t, 128 pid_t + 128) (rows past the expert's end as zeros), its scale at
+    s[qrow64[c], pid_t]."""
+    vf = tl.where(smask, v.to(tl.float32), 0.0)
+    s = scale_from_amax(tl.max(tl.abs(vf), axis=0), POW2)
+    q = to_e4m3_bits(quantize_tile(vf, s[None, :]), SOFT)
+    offs_r = tl.arange(0, 128)
+    tl.store(q_ptr + qrow64[None, :] * LDQ + pid_t * 128 + offs_r[:, None], q, mask=nmask[None, :])
+    tl.store(s_ptr + qrow64 * num_tiles + pid_t, s, mask=nmask)
+
+
+@triton.jit
+def _zero_cols(qrow64, nmask, pid_t, q_ptr, s_ptr, LDQ, num_tiles):
+    """A surplus tile's block of the padded layout: zero bytes, zero scales."""
+    offs_r = tl.arange(0, 128)
+    tl.store(q_ptr + qrow64[None, :] * LDQ + pid_t * 128 + offs_r[:, None], tl.zeros((128, 128), tl.uint8),
+             mask=nmask[None, :])
+    tl.store(s_ptr + qrow64 * num_tiles + pid_t, tl.zeros((128,), tl.float32), mask=nmask)
+
+
+@triton.jit
+def _dh_cols_kernel(
+    da_ptr,  # (N, F) fp32: dA' by expert-sorted row
+    h_ptr,  # (N, 2F) [gate | up]
+    s_ptr,  # (N,) fp32 routing weights by slot
+    dhq_ptr,  # (N, 2 * FP) uint8 out: dH 1 x 128 (the dX GEMM's operand)
+    dhs_ptr,  # (N, 2 * FB) fp32 out
+    dht_ptr,  # (2F, LDQ) uint8 out: dH 128 x 1 along each expert's rows, padded layout (dW1, dW3)
+    dhts_ptr,  # (2F, num_tiles) fp32 out
+    sat_ptr,  # (F, LDQ) uint8 out: s * A the same way (dW2)
+    sats_ptr,  # (F, num_tiles) fp32 out
+    ds_part_ptr,  # (FB, N) fp32 out
+    sorted_slot_ptr,
+    offsets_ptr,
+    table_ptr,  # (2, num_tiles) int32, block_m = 128: the padded layout's tiles
+    num_tiles,
+    N,
+    F,
+    LDQ,  # num_tiles * 128
+    POW2: tl.constexpr,
+    SOFT: tl.constexpr,
+):
+    """The split dH epilogue at the wgrad operands' 128-row tiles (DH_COLS): besides dH quantized
+    1 x 128 and ds, it writes dH and s * A already quantized along the tokens, so neither is stored
+    in bf16 nor read again by quantize_cols_grouped."""
+    pid = tl.program_id(0)
+    FB = tl.cdiv(F, 128)
+    pid_t = pid // FB
+    pid_n = pid % FB
+    offs_n = pid_n * 128 + tl.arange(0, 128)
+    nmask = offs_n < F
+    n64 = offs_n.to(tl.int64)
+    expert, rows, rmask, _ = tile_rows(table_ptr, offsets_ptr, num_tiles, pid_t, 128)
+    if expert < 0:
+        # Surplus tile: zero bytes and scales in its columns of the padded layout (every column of
+        # the wgrad operands is written, as quantize_cols_grouped does).
+        _zero_cols(n64, nmask, pid_t, dht_ptr, dhts_ptr, LDQ, num_tiles)
+        _zero_cols(n64 + F, nmask, pid_t, dht_ptr, dhts_ptr, LDQ, num_tiles)
+        _zero_cols(n64, nmask, pid_t, sat_ptr, sats_ptr, LDQ, num_tiles)
+        return
+    slot = tl.load(sorted_slot_ptr + rows, mask=rmask, other=0)
+    rows64 = rows.to(tl.int64)
+    smask = rmask[:, None] & nmask[None, :]
+    acc = tl.load(da_ptr + rows64[:, None] * F + offs_n[None, :], mask=smask, other=0.0)
+    dgate, dup, sa, ds_part = _dh_values(acc, rmask, slot, smask, rows64, offs_n, s_ptr, h_ptr, F, SOFT)
+    FP = FB * 128
+    _store_quantized_half(dgate, nmask, rows64, rmask, offs_n, 0, pid_n, dhq_ptr, dhs_ptr, FP, FB, POW2, SOFT)
+    _store_quantized_half(dup, nmask, rows64, rmask, offs_n, FP, FB + pid_n, dhq_ptr, dhs_ptr, FP, FB, POW2, SOFT)
+    tl.store(ds_part_ptr + pid_n * N + slot, ds_part, mask=rmask)
+    _store_cols_quantized(dgate, smask, n64, nmask, pid_t, dht_ptr, dhts_ptr, LDQ, num_tiles, POW2, SOFT)
+    _store_cols_quantized(dup, smask, n64 + F, nmask, pid_t, dht_ptr, dhts_ptr, LDQ, num_tiles, POW2, SOFT)
+    _store_cols_quantized(sa, smask, n64, nmask, pid_t, sat_ptr, sats_ptr, LDQ, num_tiles, POW2, SOFT)
 
 
 def dh_block_m() -> int:
@@ -302,6 +387,63 @@ def dh_swiglu(
     return dh_N2F, (dh_q, dh_s), ds_part_PN.sum(0).view(T, K), sa_NF
 
 
+# DH_COLS: the split dH epilogue at the wgrad operands' 128-row tiles, writing dH and s * A already
+# quantized along the tokens (``dh_swiglu_cols``): drops their bf16 stores and two quantize_cols_grouped
+# passes (~1.2 GB of traffic at the 30B shape, ~-0.4 ms predicted; ~-1 ms at 235B). Its programs hold
+# (128 x 128) fp32 tiles, hence 16 warps (an untuned guess). Off until timed on the H200 (session 8
+# built it after the device time was spent). Read per call; used with the FP8 wgrad's padded layout.
+DH_COLS = False
+
+
+def dh_swiglu_cols(
+    dy_q: torch.Tensor,
+    dy_s: torch.Tensor,
+    w2t_q: torch.Tensor,
+    w2t_s: torch.Tensor,
+    h_N2F: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    sorted_slot_N: torch.Tensor,
+    offsets_E1: torch.Tensor,
+    pow2_scales: bool = False,
+    tiles128: torch.Tensor | None = None,
+    num_warps: int = 16,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, tuple[torch.Tensor, torch.Tensor],
+           tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`dh_swiglu`'s split path with the wgrad operands written by the epilogue (DH_COLS).
+
+    Returns:
+        (dh_q, dh_s), ds_TK: as :func:`dh_swiglu`.
+        (dht_q, dht_s): ``quantize_cols_grouped(dH, offsets_E1, padded=True)`` of the dH that
+            :func:`dh_swiglu` returns, bit for bit: (2F, n_tiles * 128) e4m3, (2F, n_tiles) fp32.
+        (sat_q, sat_s): the same of its s * A: (F, n_tiles * 128), (F, n_tiles).
+    """
+    T, K = topk_weights_TK.shape
+    E, F, D = w2t_q.shape
+    N = T * K
+    FB = triton.cdiv(F, TILE)
+    dev = h_N2F.device
+    n_tiles = max_tiles(N, E, TILE)
+    ldq = n_tiles * TILE
+    dh_q = torch.empty((N, 2 * FB * TILE), device=dev, dtype=FP8)
+    dh_s = torch.empty((N, 2 * FB), device=dev, dtype=torch.float32)
+    dht_q = torch.empty((2 * F, ldq), device=dev, dtype=FP8)
+    dht_s = torch.empty((2 * F, n_tiles), device=dev, dtype=torch.float32)
+    sat_q = torch.empty((F, ldq), device=dev, dtype=FP8)
+    sat_s = torch.empty((F, n_tiles), device=dev, dtype=torch.float32)
+    ds_part_PN = torch.empty((FB, N), device=dev, dtype=torch.float32)
+    if N > 0 and F > 0 and n_tiles > 0:
+        gbm, _ = gemm_blocks()
+        da_NF = fp8_grouped_gemm(dy_q, dy_s, w2t_q, w2t_s, offsets_E1, sorted_slot_N, K, out_dtype=torch.float32,
+                                 block_m=gbm, block_n=TILE)
+        tiles128 = tile_table(offsets_E1, N, TILE) if tiles128 is None else tiles128
+        _dh_cols_kernel[(n_tiles * FB,)](
+            da_NF, h_N2F, topk_weights_TK, dh_q.view(torch.uint8), dh_s, dht_q.view(torch.uint8), dht_s,
+            sat_q.view(torch.uint8), sat_s, ds_part_PN, sorted_slot_N, offsets_E1, tiles128, n_tiles, N, F, ldq,
+            POW2=pow2_scales, SOFT=interpreting(), num_warps=num_warps if not interpreting() else 4,
+        )  # fmt: skip
+    return (dh_q, dh_s), ds_part_PN.sum(0).view(T, K), (dht_q, dht_s), (sat_q, sat_s)
+
+
 def _wgrad_blocks() -> tuple[int | None, int | None]:
     """fp8_wgrad's (block_m, block_n): its defaults on the GPU; whole 128 x 128 output tiles under
     the interpreter, whose cost is per program."""
@@ -379,10 +521,18 @@ def moe_fp8_backward(
         w2t_q, w2t_s = transposed_weight(w2_EDF, pow2_scales)
     else:
         w2t_q, w2t_s = quantized.w2t_q, quantized.w2t_s
-    dh_N2F, (dh_q, dh_s), ds_TK, sa_NF = dh_swiglu(
-        dy_q, dy_s, w2t_q, w2t_s, h_N2F, topk_weights_TK, sorted_slot_N, offsets_E1,
-        store_sa=True, pow2_scales=pow2_scales,
-    )  # fmt: skip
+    tiles128 = tile_table(offsets_E1, N, TILE)
+    pad = WGRAD_PADDED  # read per call, so a test or a benchmark can switch layouts
+    if DH_COLS and wgrad == "fp8" and pad:  # the wgrad operands of dH and s * A from the epilogue
+        (dh_q, dh_s), ds_TK, dht, sat = dh_swiglu_cols(
+            dy_q, dy_s, w2t_q, w2t_s, h_N2F, topk_weights_TK, sorted_slot_N, offsets_E1, pow2_scales, tiles128)
+        dh_N2F = sa_NF = None
+    else:
+        dh_N2F, (dh_q, dh_s), ds_TK, sa_NF = dh_swiglu(
+            dy_q, dy_s, w2t_q, w2t_s, h_N2F, topk_weights_TK, sorted_slot_N, offsets_E1,
+            store_sa=True, pow2_scales=pow2_scales,
+        )  # fmt: skip
+        dht = sat = None
     del dy_q, dy_s, w2t_q, w2t_s
 
     if quantized is None:
@@ -411,16 +561,14 @@ def moe_fp8_backward(
     # FP8 wgrad: both operands quantized along the reduction (token) dim in 128-row blocks of one
     # expert. dH's 2F columns are quantized in one pass; its gate and dup halves are contiguous row
     # ranges of the transposed copy, so dW1 and dW3 are two GEMMs with no slicing copy.
-    tiles128 = tile_table(offsets_E1, N, TILE)
-    pad = WGRAD_PADDED  # read per call, so a test or a benchmark can switch layouts
     xt_q, xt_s = quantize_cols_grouped(x_TD, offsets_E1, sorted_slot_N, K, pow2_scales, tiles128, padded=pad)
-    dht_q, dht_s = quantize_cols_grouped(dh_N2F, offsets_E1, None, 1, pow2_scales, tiles128, padded=pad)
-    del dh_N2F
+    dht_q, dht_s = dht or quantize_cols_grouped(dh_N2F, offsets_E1, None, 1, pow2_scales, tiles128, padded=pad)
+    del dh_N2F, dht
     bm, bn = _wgrad_blocks()
     dw1_EFD = fp8_wgrad(dht_q[:F], dht_s[:F], xt_q, xt_s, offsets_E1, w1_EFD.dtype, bm, bn, padded=pad)
     dw3_EFD = fp8_wgrad(dht_q[F:], dht_s[F:], xt_q, xt_s, offsets_E1, w3_EFD.dtype, bm, bn, padded=pad)
     del xt_q, xt_s, dht_q, dht_s
     dyt_q, dyt_s = quantize_cols_grouped(dy_TD, offsets_E1, sorted_slot_N, K, pow2_scales, tiles128, padded=pad)
-    sat_q, sat_s = quantize_cols_grouped(sa_NF, offsets_E1, None, 1, pow2_scales, tiles128, padded=pad)
+    sat_q, sat_s = sat or quantize_cols_grouped(sa_NF, offsets_E1, None, 1, pow2_scales, tiles128, padded=pad)
     dw2_EDF = fp8_wgrad(dyt_q, dyt_s, sat_q, sat_s, offsets_E1, w2_EDF.dtype, bm, bn, padded=pad)
     return dx_TD, dw1_EFD, dw3_EFD, dw2_EDF, ds_TK
