@@ -224,6 +224,9 @@ _CASES = [
                  id="T22-D208-F192-fuseddh-pointerloads"),
     # DH_COLS (off by default until timed): the wgrad operands of dH and s * A from the epilogue.
     pytest.param(27, 2, 4, 128, 192, "empty_expert", False, dict(dh_cols=True), id="T27-F192-emptyexperts-dhcols"),
+    # GATE_UP_PREGATHER (off until timed): x's quantized rows copied into sorted order, gate/up by TMA.
+    pytest.param(26, 3, 4, 256, 128, "empty_slots", False, dict(pregather=True), id="T26-top3-emptyslots-pregather"),
+    pytest.param(25, 2, 4, 128, 128, "random", False, dict(pregather=True, tma=False), id="T25-pregather-pointerloads"),
 ]
 
 
@@ -243,6 +246,10 @@ def test_forward_backward(T, K, E, D, F, kind, outliers, opts, monkeypatch):
         monkeypatch.setattr(G, "USE_TMA", opts.pop("tma"))
     if "dh_cols" in opts:
         monkeypatch.setattr(B, "DH_COLS", opts.pop("dh_cols"))
+    if "pregather" in opts:
+        from kernels.mega_moe_fp8 import forward as F_
+
+        monkeypatch.setattr(F_, "GATE_UP_PREGATHER", opts.pop("pregather"))
     _check(T, K, E, D, F, kind, outliers, **opts)
 
 
@@ -399,12 +406,14 @@ def test_bench_code_paths():
         return (time.perf_counter() - start) * 1e3
 
     from kernels.mega_moe_fp8 import backward as B_
+    from kernels.mega_moe_fp8 import forward as F_
 
-    default = (G.USE_TMA, B_.DH_SPLIT, G.GATE_UP_PREFETCH, B_.DH_COLS)
+    default = (G.USE_TMA, B_.DH_SPLIT, G.GATE_UP_PREFETCH, B_.DH_COLS, F_.GATE_UP_PREGATHER)
     rows = fp8_kernels.time_moe_ops(T=8, top_k=2, E=2, shapes={"tiny": (128, 128)}, iters=1,
                                     device=DEVICE, timer=wall_ms if not _HAS_CUDA else None)
-    assert len(rows) == 7 and "cached" in rows[3] and all("TFLOP/s" in r for r in rows[1:]), rows
-    assert (G.USE_TMA, B_.DH_SPLIT, G.GATE_UP_PREFETCH, B_.DH_COLS) == default, "time_moe_ops left an option changed"
+    assert len(rows) == 9 and "cached" in rows[3] and all("TFLOP/s" in r for r in rows[1:]), rows
+    assert (G.USE_TMA, B_.DH_SPLIT, G.GATE_UP_PREFETCH, B_.DH_COLS, F_.GATE_UP_PREGATHER) == default, \
+        "time_moe_ops left an option changed"
 
 
 @pytest.mark.skipif(_HAS_CUDA, reason="the GPU runs the real sweep (python -m bench.fp8_kernels --sweep)")
