@@ -551,7 +551,10 @@ def combine_repeats(entries: list[dict[str, Any]]) -> dict[str, Any]:
     """One report entry from a run's repetitions (``--repeat``): all ok -> the means of tokens/s, step
     time and MFU, the max of peak memory, the first repetition's loss and breakdown, each
     repetition's tokens/s in ``tokens_per_s_each``; otherwise the first repetition that was not ok
-    (its status says which)."""
+    (its status says which). Repetitions not run (``--budget`` spent, or not yet: partial reports)
+    are left out when another one ran."""
+    ran = [e for e in entries if e.get("status") not in (None, "not run")]
+    entries = ran or entries[:1]
     if len(entries) == 1:
         return entries[0]
     bad = next((e for e in entries if e.get("status") != "ok"), None)

@@ -340,5 +340,7 @@ def test_repeat_interleaves_runs_and_reports_means(tmp_path, monkeypatch):
 
     failed = compare.combine_repeats([{"status": "ok", "tokens_per_s": 1.0}, {"status": "failed", "reason": "oom"}])
     assert failed["status"] == "failed (repetition 2 of 2)" and failed["reason"] == "oom"
+    cut = compare.combine_repeats([{"status": "ok", "tokens_per_s": 5.0}, {"status": "not run", "skip": "--budget spent"}])
+    assert cut["status"] == "ok" and cut["tokens_per_s"] == 5.0  # a repetition the budget cut is left out
     with pytest.raises(SystemExit):
         compare.parse_args(["--repeat", "0"])
