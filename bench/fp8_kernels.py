@@ -248,7 +248,7 @@ def sweep(T: int = 16384, top_k: int = 8, E: int = 128, D: int = 2048, F: int = 
             dyq, dys, w2t_q, w2t_s, h, s_TK, slots, offs, block_m=bm, num_warps=warps, num_stages=stages), flops)
     t("dh split (fp8_grouped_gemm fp32 dA' + epilogue kernel)", lambda: B.dh_swiglu(
         dyq, dys, w2t_q, w2t_s, h, s_TK, slots, offs, split=True), flops)
-    for warps in (16, 8):  # DH_COLS: also dH and s * A quantized along the tokens (two quantize_cols passes less)
+    for warps in (8, 16):  # DH_COLS: also dH and s * A quantized along the tokens (two quantize_cols passes less)
         t(f"dh cols (split + wgrad operands from the epilogue) w{warps}", lambda: B.dh_swiglu_cols(
             dyq, dys, w2t_q, w2t_s, h, s_TK, slots, offs, num_warps=warps), flops)
     _, (dhq, dhs), _, _ = B.dh_swiglu(dyq, dys, w2t_q, w2t_s, h, s_TK, slots, offs)

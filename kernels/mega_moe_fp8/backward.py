@@ -231,18 +231,19 @@ def _dh_epilogue(acc, rows, rmask, slot, offs_n, pid_n, s_ptr, h_ptr, dh_ptr, dh
 
 
 @triton.jit
-def _store_cols_quantized(v, smask, qrow64, nmask, pid_t, q_ptr, s_ptr, LDQ, num_tiles,
-                          POW2: tl.constexpr, SOFT: tl.constexpr):
-    """The 128 x 1 tiles of a (128 rows of one expert's tile pid_t) x (128 columns) block ``v``
-    stored as quantize_cols_grouped(..., padded=True) does: column c's bytes at row qrow64[c] of
-    q, columns [128 pid_t, 128 pid_t + 128) (rows past the expert's end as zeros), its scale at
-    s[qrow64[c], pid_t]."""
-    vf = tl.where(smask, v.to(tl.float32), 0.0)
-    s = scale_from_amax(tl.max(tl.abs(vf), axis=0), POW2)
-    q = to_e4m3_bits(quantize_tile(vf, s[None, :]), SOFT)
-    offs_r = tl.arange(0, 128)
+def _col_amax(v, smask, amax):
+    """amax (128,) updated with the column maxima of |v| over the rows in ``smask``."""
+    return tl.maximum(amax, tl.max(tl.abs(tl.where(smask, v.to(tl.float32), 0.0)), axis=0))
+
+
+@triton.jit
+def _store_cols_quantized(v, smask, r0, qrow64, nmask, scale, pid_t, q_ptr, LDQ, SOFT: tl.constexpr):
+    """Rows [r0, r0 + BLOCK_R) of a 128-row tile's column block ``v`` (BLOCK_R x 128), quantized with
+    the columns' scales, stored as quantize_cols_grouped(..., padded=True) does: column c's bytes at
+    row qrow64[c] of q, columns 128 pid_t + r0 + [0, BLOCK_R) (rows past the expert's end: zeros)."""
+    q = to_e4m3_bits(quantize_tile(tl.where(smask, v.to(tl.float32), 0.0), scale[None, :]), SOFT)
+    offs_r = r0 + tl.arange(0, v.shape[0])
     tl.store(q_ptr + qrow64[None, :] * LDQ + pid_t * 128 + offs_r[:, None], q, mask=nmask[None, :])
-    tl.store(s_ptr + qrow64 * num_tiles + pid_t, s, mask=nmask)
 
 
 @triton.jit
@@ -273,12 +274,17 @@ def _dh_cols_kernel(
     N,
     F,
     LDQ,  # num_tiles * 128
+    BLOCK_R: tl.constexpr,
     POW2: tl.constexpr,
     SOFT: tl.constexpr,
 ):
     """The split dH epilogue at the wgrad operands' 128-row tiles (DH_COLS): besides dH quantized
     1 x 128 and ds, it writes dH and s * A already quantized along the tokens, so neither is stored
-    in bf16 nor read again by quantize_cols_grouped."""
+    in bf16 nor read again by quantize_cols_grouped. The tile's rows go in BLOCK_R-row parts, twice:
+    the first pass stores the row-quantized dH and ds and takes the columns' amax, the second
+    recomputes the values (its reads of dA' and H hit L2) and stores them column-quantized. Offline
+    ptxas (bench/NOTES.md): whole 128 x 128 tiles spilled 4-26 KB per thread at every warp count;
+    32-row parts in a dynamic loop, 8 warps, 255 registers and 0.6 KB (unrolled: 2.9 KB)."""
     pid = tl.program_id(0)
     FB = tl.cdiv(F, 128)
     pid_t = pid // FB
@@ -286,7 +292,7 @@ def _dh_cols_kernel(
     offs_n = pid_n * 128 + tl.arange(0, 128)
     nmask = offs_n < F
     n64 = offs_n.to(tl.int64)
-    expert, rows, rmask, _ = tile_rows(table_ptr, offsets_ptr, num_tiles, pid_t, 128)
+    expert = tl.load(table_ptr + pid_t)
     if expert < 0:
         # Surplus tile: zero bytes and scales in its columns of the padded layout (every column of
         # the wgrad operands is written, as quantize_cols_grouped does).
@@ -294,18 +300,43 @@ def _dh_cols_kernel(
         _zero_cols(n64 + F, nmask, pid_t, dht_ptr, dhts_ptr, LDQ, num_tiles)
         _zero_cols(n64, nmask, pid_t, sat_ptr, sats_ptr, LDQ, num_tiles)
         return
-    slot = tl.load(sorted_slot_ptr + rows, mask=rmask, other=0)
-    rows64 = rows.to(tl.int64)
-    smask = rmask[:, None] & nmask[None, :]
-    acc = tl.load(da_ptr + rows64[:, None] * F + offs_n[None, :], mask=smask, other=0.0)
-    dgate, dup, sa, ds_part = _dh_values(acc, rmask, slot, smask, rows64, offs_n, s_ptr, h_ptr, F, SOFT)
+    row0 = tl.load(table_ptr + num_tiles + pid_t)
+    row_end = tl.load(offsets_ptr + expert + 1)
     FP = FB * 128
-    _store_quantized_half(dgate, nmask, rows64, rmask, offs_n, 0, pid_n, dhq_ptr, dhs_ptr, FP, FB, POW2, SOFT)
-    _store_quantized_half(dup, nmask, rows64, rmask, offs_n, FP, FB + pid_n, dhq_ptr, dhs_ptr, FP, FB, POW2, SOFT)
-    tl.store(ds_part_ptr + pid_n * N + slot, ds_part, mask=rmask)
-    _store_cols_quantized(dgate, smask, n64, nmask, pid_t, dht_ptr, dhts_ptr, LDQ, num_tiles, POW2, SOFT)
-    _store_cols_quantized(dup, smask, n64 + F, nmask, pid_t, dht_ptr, dhts_ptr, LDQ, num_tiles, POW2, SOFT)
-    _store_cols_quantized(sa, smask, n64, nmask, pid_t, sat_ptr, sats_ptr, LDQ, num_tiles, POW2, SOFT)
+    amax_g = tl.zeros((128,), tl.float32)
+    amax_u = tl.zeros((128,), tl.float32)
+    amax_s = tl.zeros((128,), tl.float32)
+    for part in range(0, 128 // BLOCK_R):
+        rows = row0 + part * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = rows < row_end
+        slot = tl.load(sorted_slot_ptr + rows, mask=rmask, other=0)
+        rows64 = rows.to(tl.int64)
+        smask = rmask[:, None] & nmask[None, :]
+        acc = tl.load(da_ptr + rows64[:, None] * F + offs_n[None, :], mask=smask, other=0.0)
+        dgate, dup, sa, ds_part = _dh_values(acc, rmask, slot, smask, rows64, offs_n, s_ptr, h_ptr, F, SOFT)
+        _store_quantized_half(dgate, nmask, rows64, rmask, offs_n, 0, pid_n, dhq_ptr, dhs_ptr, FP, FB, POW2, SOFT)
+        _store_quantized_half(dup, nmask, rows64, rmask, offs_n, FP, FB + pid_n, dhq_ptr, dhs_ptr, FP, FB, POW2, SOFT)
+        tl.store(ds_part_ptr + pid_n * N + slot, ds_part, mask=rmask)
+        amax_g = _col_amax(dgate, smask, amax_g)
+        amax_u = _col_amax(dup, smask, amax_u)
+        amax_s = _col_amax(sa, smask, amax_s)
+    sc_g = scale_from_amax(amax_g, POW2)
+    sc_u = scale_from_amax(amax_u, POW2)
+    sc_s = scale_from_amax(amax_s, POW2)
+    for part in range(0, 128 // BLOCK_R):
+        rows = row0 + part * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = rows < row_end
+        slot = tl.load(sorted_slot_ptr + rows, mask=rmask, other=0)
+        rows64 = rows.to(tl.int64)
+        smask = rmask[:, None] & nmask[None, :]
+        acc = tl.load(da_ptr + rows64[:, None] * F + offs_n[None, :], mask=smask, other=0.0)
+        dgate, dup, sa, _ = _dh_values(acc, rmask, slot, smask, rows64, offs_n, s_ptr, h_ptr, F, SOFT)
+        _store_cols_quantized(dgate, smask, part * BLOCK_R, n64, nmask, sc_g, pid_t, dht_ptr, LDQ, SOFT)
+        _store_cols_quantized(dup, smask, part * BLOCK_R, n64 + F, nmask, sc_u, pid_t, dht_ptr, LDQ, SOFT)
+        _store_cols_quantized(sa, smask, part * BLOCK_R, n64, nmask, sc_s, pid_t, sat_ptr, LDQ, SOFT)
+    tl.store(dhts_ptr + n64 * num_tiles + pid_t, sc_g, mask=nmask)
+    tl.store(dhts_ptr + (n64 + F) * num_tiles + pid_t, sc_u, mask=nmask)
+    tl.store(sats_ptr + n64 * num_tiles + pid_t, sc_s, mask=nmask)
 
 
 def dh_block_m() -> int:
@@ -389,9 +420,10 @@ def dh_swiglu(
 
 # DH_COLS: the split dH epilogue at the wgrad operands' 128-row tiles, writing dH and s * A already
 # quantized along the tokens (``dh_swiglu_cols``): drops their bf16 stores and two quantize_cols_grouped
-# passes (~1.2 GB of traffic at the 30B shape, ~-0.4 ms predicted; ~-1 ms at 235B). Its programs hold
-# (128 x 128) fp32 tiles, hence 16 warps (an untuned guess). Off until timed on the H200 (session 8
-# built it after the device time was spent). Read per call; used with the FP8 wgrad's padded layout.
+# passes (~1.2 GB of traffic at the 30B shape, ~-0.4 ms predicted; ~-1 ms at 235B). A program takes
+# its 128-row tile in 32-row parts (two passes), 8 warps, like the split epilogue's own 32-row launch
+# (255 registers, no spills; this kernel 0.6 KB of spills, offline ptxas). Off until timed on the H200
+# (session 8 built it after the device time was spent). Read per call; with the FP8 wgrad's padded layout.
 DH_COLS = False
 
 
@@ -406,7 +438,8 @@ def dh_swiglu_cols(
     offsets_E1: torch.Tensor,
     pow2_scales: bool = False,
     tiles128: torch.Tensor | None = None,
-    num_warps: int = 16,
+    num_warps: int = 8,
+    block_r: int = 32,
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, tuple[torch.Tensor, torch.Tensor],
            tuple[torch.Tensor, torch.Tensor]]:
     """:func:`dh_swiglu`'s split path with the wgrad operands written by the epilogue (DH_COLS).
@@ -439,7 +472,8 @@ def dh_swiglu_cols(
         _dh_cols_kernel[(n_tiles * FB,)](
             da_NF, h_N2F, topk_weights_TK, dh_q.view(torch.uint8), dh_s, dht_q.view(torch.uint8), dht_s,
             sat_q.view(torch.uint8), sat_s, ds_part_PN, sorted_slot_N, offsets_E1, tiles128, n_tiles, N, F, ldq,
-            POW2=pow2_scales, SOFT=interpreting(), num_warps=num_warps if not interpreting() else 4,
+            BLOCK_R=block_r, POW2=pow2_scales, SOFT=interpreting(),
+            num_warps=num_warps if not interpreting() else 4,
         )  # fmt: skip
     return (dh_q, dh_s), ds_part_PN.sum(0).view(T, K), (dht_q, dht_s), (sat_q, sat_s)
 
