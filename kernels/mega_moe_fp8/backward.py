@@ -256,6 +256,21 @@ def _zero_cols(qrow64, nmask, pid_t, q_ptr, s_ptr, LDQ, num_tiles):
 
 
 @triton.jit
+def _dh_part(da_ptr, h_ptr, s_ptr, sorted_slot_ptr, r0, row_end, offs_n, nmask, F, BLOCK_R: tl.constexpr,
+             SOFT: tl.constexpr):
+    """Rows [r0, r0 + BLOCK_R) of an expert (those below row_end) x one 128-column tile: their dA'
+    loaded and :func:`_dh_values` of it, with the rows' int64 index, masks and slots."""
+    rows = r0 + tl.arange(0, BLOCK_R)
+    rmask = rows < row_end
+    slot = tl.load(sorted_slot_ptr + rows, mask=rmask, other=0)
+    rows64 = rows.to(tl.int64)
+    smask = rmask[:, None] & nmask[None, :]
+    acc = tl.load(da_ptr + rows64[:, None] * F + offs_n[None, :], mask=smask, other=0.0)
+    dgate, dup, sa, ds_part = _dh_values(acc, rmask, slot, smask, rows64, offs_n, s_ptr, h_ptr, F, SOFT)
+    return rows64, rmask, slot, smask, dgate, dup, sa, ds_part
+
+
+@triton.jit
 def _dh_cols_kernel(
     da_ptr,  # (N, F) fp32: dA' by expert-sorted row
     h_ptr,  # (N, 2F) [gate | up]
@@ -307,13 +322,8 @@ def _dh_cols_kernel(
     amax_u = tl.zeros((128,), tl.float32)
     amax_s = tl.zeros((128,), tl.float32)
     for part in range(0, 128 // BLOCK_R):
-        rows = row0 + part * BLOCK_R + tl.arange(0, BLOCK_R)
-        rmask = rows < row_end
-        slot = tl.load(sorted_slot_ptr + rows, mask=rmask, other=0)
-        rows64 = rows.to(tl.int64)
-        smask = rmask[:, None] & nmask[None, :]
-        acc = tl.load(da_ptr + rows64[:, None] * F + offs_n[None, :], mask=smask, other=0.0)
-        dgate, dup, sa, ds_part = _dh_values(acc, rmask, slot, smask, rows64, offs_n, s_ptr, h_ptr, F, SOFT)
+        rows64, rmask, slot, smask, dgate, dup, sa, ds_part = _dh_part(
+            da_ptr, h_ptr, s_ptr, sorted_slot_ptr, row0 + part * BLOCK_R, row_end, offs_n, nmask, F, BLOCK_R, SOFT)
         _store_quantized_half(dgate, nmask, rows64, rmask, offs_n, 0, pid_n, dhq_ptr, dhs_ptr, FP, FB, POW2, SOFT)
         _store_quantized_half(dup, nmask, rows64, rmask, offs_n, FP, FB + pid_n, dhq_ptr, dhs_ptr, FP, FB, POW2, SOFT)
         tl.store(ds_part_ptr + pid_n * N + slot, ds_part, mask=rmask)
@@ -324,13 +334,8 @@ def _dh_cols_kernel(
     sc_u = scale_from_amax(amax_u, POW2)
     sc_s = scale_from_amax(amax_s, POW2)
     for part in range(0, 128 // BLOCK_R):
-        rows = row0 + part * BLOCK_R + tl.arange(0, BLOCK_R)
-        rmask = rows < row_end
-        slot = tl.load(sorted_slot_ptr + rows, mask=rmask, other=0)
-        rows64 = rows.to(tl.int64)
-        smask = rmask[:, None] & nmask[None, :]
-        acc = tl.load(da_ptr + rows64[:, None] * F + offs_n[None, :], mask=smask, other=0.0)
-        dgate, dup, sa, _ = _dh_values(acc, rmask, slot, smask, rows64, offs_n, s_ptr, h_ptr, F, SOFT)
+        _, _, _, smask, dgate, dup, sa, _ = _dh_part(
+            da_ptr, h_ptr, s_ptr, sorted_slot_ptr, row0 + part * BLOCK_R, row_end, offs_n, nmask, F, BLOCK_R, SOFT)
         _store_cols_quantized(dgate, smask, part * BLOCK_R, n64, nmask, sc_g, pid_t, dht_ptr, LDQ, SOFT)
         _store_cols_quantized(dup, smask, part * BLOCK_R, n64 + F, nmask, sc_u, pid_t, dht_ptr, LDQ, SOFT)
         _store_cols_quantized(sa, smask, part * BLOCK_R, n64, nmask, sc_s, pid_t, sat_ptr, LDQ, SOFT)
