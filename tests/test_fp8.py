@@ -233,7 +233,7 @@ def test_weight_transpose_needs_no_requantization(pow2):
 def test_expert_weights_quantized_in_one_pass(E, F, D, pow2):
     """QuantizedExpertWeights.quantize (each weight's two layouts from one pass, written into given
     buffers or new ones) and the backward's per-call transposed_weight / dx_weight: bitwise the
-    layouts built from quantize_weight (q.mT, s.mT; [w1; w3]^T with zero columns between the halves
+    layouts built from the torch reference quantize_weight_ref (q.mT, s.mT; [w1; w3]^T with zero columns between the halves
     when F % 128 != 0), incl. outlier rows."""
     from kernels.mega_moe_fp8 import backward as B
     from kernels.mega_moe_fp8.weights import QuantizedExpertWeights
@@ -244,7 +244,7 @@ def test_expert_weights_quantized_in_one_pass(E, F, D, pow2):
     w2 = torch.randn(E, D, F, device=DEVICE) * 0.05
     w1[0, :2] *= 100
     b1, b3, b2 = (w.to(torch.bfloat16) for w in (w1, w3, w2))
-    (q1, s1), (q3, s3), (q2, s2) = (Q.quantize_weight(b, pow2) for b in (b1, b3, b2))
+    (q1, s1), (q3, s3), (q2, s2) = (Q.quantize_weight_ref(b, pow2) for b in (b1, b3, b2))  # torch reference
     FP = triton.cdiv(F, 128) * 128
     w13 = torch.zeros(E, D, 2 * FP, dtype=torch.uint8, device=DEVICE)
     w13[:, :, :F], w13[:, :, FP : FP + F] = _bytes(q1).mT, _bytes(q3).mT
