@@ -55,9 +55,10 @@ def main(T: int = 16384, top_k: int = 8, E: int = 128) -> None:
         q("quantize_dual x (T,D)", lambda: Q.quantize_dual(x), T * D * 4)
         q("quantize_cols_grouped x gathered", lambda: Q.quantize_cols_grouped(x, offs, slots, top_k, tiles=tiles), N * D * 3)
         q("quantize_weight w1 (E,F,D)", lambda: Q.quantize_weight(w1), E * F * D * 3)
-        # The expert weight cache's refresh from float32 masters: since session 8 a bf16 cast and one
-        # quantization pass per weight writing both layouts; before, the casts, five quantizations, a
-        # byte transpose of w2 and a torch.cat of w1's and w3's transposes (Run 22 profile: 13.5 ms).
+        # The expert weight cache's refresh from float32 masters: since session 9 one quantization pass
+        # per weight writing both layouts, rounding to bf16 inside it; session 8: a bf16 cast, then that
+        # pass; before Run 22, the casts, five quantizations, a byte transpose of w2 and a torch.cat of
+        # w1's and w3's transposes (Run 22 profile: 13.5 ms). GB/s: bytes of the before-Run-22 path.
         from kernels.mega_moe_fp8.backward import _transposed
         from kernels.mega_moe_fp8.weights import QuantizedExpertWeights
 
@@ -73,6 +74,8 @@ def main(T: int = 16384, top_k: int = 8, E: int = 128) -> None:
 
         q("weight refresh, cast + one pass", lambda: QuantizedExpertWeights.quantize(
             *(m.to(torch.bfloat16) for m in masters), out=cache), 3 * E * F * D * 6)
+        q("weight refresh, one pass rounding fp32", lambda: QuantizedExpertWeights.quantize(
+            *masters, out=cache, round_bf16=True), 3 * E * F * D * 6)
         q("weight refresh, before Run 22", refresh_before, 3 * E * F * D * 6)
         xq, xs = Q.quantize_rowwise(x)
         w1q, w1s = Q.quantize_weight(w1)

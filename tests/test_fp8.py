@@ -243,6 +243,8 @@ def test_expert_weights_quantized_in_one_pass(E, F, D, pow2):
     w1, w3 = (torch.randn(E, F, D, device=DEVICE) * 0.05 for _ in range(2))
     w2 = torch.randn(E, D, F, device=DEVICE) * 0.05
     w1[0, :2] *= 100
+    ties = w3.view(-1)[:256].to(torch.bfloat16).float().view(torch.int32) + 0x8000  # halfway between bf16s
+    w3.view(-1)[:256] = ties.view(torch.float32)
     b1, b3, b2 = (w.to(torch.bfloat16) for w in (w1, w3, w2))
     (q1, s1), (q3, s3), (q2, s2) = (Q.quantize_weight_ref(b, pow2) for b in (b1, b3, b2))  # torch reference
     FP = triton.cdiv(F, 128) * 128
@@ -257,6 +259,10 @@ def test_expert_weights_quantized_in_one_pass(E, F, D, pow2):
                 QuantizedExpertWeights.quantize(b1, b3, b2, pow2)):
         for name, w in want.items():
             _assert_same_q((getattr(got, name),), (w,), f"{msg}: {name}")
+    # float32 masters rounded to bf16 inside the pass (the weight cache's refresh): the same bytes
+    got = QuantizedExpertWeights.quantize(w1, w3, w2, pow2, out=out, round_bf16=True)
+    for name, w in want.items():
+        _assert_same_q((getattr(got, name),), (w,), f"{msg}: {name}, round_bf16")
     _assert_same_q(B.transposed_weight(b2, pow2), (want["w2t_q"], want["w2t_s"]), f"{msg}: transposed_weight")
     _assert_same_q(B.dx_weight(b1, b3, pow2), (w13, want["w13t_s"]), f"{msg}: dx_weight")
     with pytest.raises(ValueError, match="qt_cols"):

@@ -20,8 +20,10 @@ from kernels.mega_moe_fp8.weights import QuantizedExpertWeights  # noqa: E402
 
 from tests.test_mega_moe_fp8 import _inputs, _seed  # noqa: E402
 
+# On the GPU machine the trainer runs on the GPU: Triton kernels there take CUDA tensors only.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = ["--config", "train_configs/debug_model.toml", "--model.n_layers", "2", "--training.seq_len", "32",
-         "--training.local_batch_size", "2", "--training.device", "cpu", "--lr_scheduler.warmup_steps", "1",
+         "--training.local_batch_size", "2", "--training.device", DEVICE, "--lr_scheduler.warmup_steps", "1",
          "--training.mixed_precision_param", "bfloat16"]
 
 

@@ -344,6 +344,7 @@ def _weight_kernel(
     POW2: tl.constexpr,
     SOFT: tl.constexpr,
     TRANS: tl.constexpr = False,
+    ROUND_BF16: tl.constexpr = False,
 ):
     e = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
@@ -352,7 +353,14 @@ def _weight_kernel(
     offs_k = kb * _TILE + tl.arange(0, _TILE)
     mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
     off = e * N * K + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
-    w = tl.load(w_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + off, mask=mask, other=0.0)
+    if ROUND_BF16:  # float32 masters quantized from their bf16 values (the op's inputs), no cast pass
+        if SOFT:  # the interpreter's fp32 -> bf16 cast does not round to nearest even: on the bits
+            u = w.to(tl.int32, bitcast=True)
+            w = ((u + 0x7FFF + ((u >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        else:
+            w = w.to(tl.bfloat16)
+    w = w.to(tl.float32)
     s = scale_from_amax(tl.max(tl.max(tl.abs(w), axis=1), axis=0), POW2)
     q = to_e4m3_bits(quantize_tile(w, s), SOFT)
     tl.store(q_ptr + off, q, mask=mask)
@@ -516,7 +524,7 @@ def quantize_weight(w: torch.Tensor, pow2_scales: bool = False) -> tuple[torch.T
 
 def quantize_weight_into(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, qt: torch.Tensor | None = None,
                          st: torch.Tensor | None = None, qt_col0: int = 0, qt_cols: int | None = None,
-                         st_col0: int = 0, pow2_scales: bool = False) -> None:
+                         st_col0: int = 0, pow2_scales: bool = False, round_bf16: bool = False) -> None:
     """:func:`quantize_weight` of w (E, N, K) into given tensors, optionally also writing the
     transposed layout in the same pass (one read of w: the expert weight cache's refresh).
 
@@ -527,9 +535,10 @@ def quantize_weight_into(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, qt: 
             N <= qt_cols <= N rounded up to 128, default N), s transposed to
             ``st[:, :, st_col0 : st_col0 + ceil(N/128)]``. Other columns are not written (so two
             weights can share one qt, as the dX GEMM's [w1; w3]^T).
-    Not done here: rounding float32 masters to bf16 in the same pass. Built that way in session 8, it
-    matched under the interpreter and on the H200 without the transposed store, but wrote wrong
-    bytes on the H200 with it (Run 22, bench/NOTES.md); callers cast first.
+        round_bf16: quantize w's values rounded to bf16 (``w.to(torch.bfloat16)``'s values, without
+            that cast's pass over the weights): float32 masters giving the bytes of the op's bf16 inputs.
+            Triton's own fp32 -> bf16 conversion; session 8's integer rounding of the bits, combined with
+            the transposed store, wrote wrong bytes on the H200 (Run 22, bench/NOTES.md).
     """
     _check_input(w, 3, "w")
     E, N, K = w.shape
@@ -556,5 +565,6 @@ def quantize_weight_into(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, qt: 
     _weight_kernel[(E, NB, KB)](
         w, q.view(torch.uint8), s, qt.view(torch.uint8) if trans else q.view(torch.uint8), st if trans else s,
         N, K, qt.shape[2] if trans else 0, qt_col0, qt_cols, st.shape[2] if trans else 0, st_col0,
-        POW2=pow2_scales, SOFT=interpreting(), TRANS=trans, num_warps=8,
+        POW2=pow2_scales, SOFT=interpreting(), TRANS=trans, ROUND_BF16=round_bf16 and w.dtype != torch.bfloat16,
+        num_warps=8,
     )  # fmt: skip

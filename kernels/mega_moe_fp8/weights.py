@@ -44,14 +44,16 @@ class QuantizedExpertWeights:
 
     @classmethod
     def quantize(cls, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor, w2_EDF: torch.Tensor,
-                 pow2_scales: bool = False,
-                 out: "QuantizedExpertWeights | None" = None) -> "QuantizedExpertWeights":
+                 pow2_scales: bool = False, out: "QuantizedExpertWeights | None" = None,
+                 round_bf16: bool = False) -> "QuantizedExpertWeights":
         """Quantize the three weights (any float dtype; the op's inputs are bf16, so pass bf16 to
         get exactly the per-call quantization).
 
         One pass per weight writes both of its layouts (``quant.quantize_weight_into``): the
         forward's, and the transposed one of the backward (w2t; w1 and w3 into the two halves of
         w13t). ``out``: write into these tensors (the weight cache's buffers) instead of new ones.
+        ``round_bf16``: quantize the weights' values rounded to bf16 (float32 masters give the bytes
+        of their bf16 copies, without the casts' passes).
         """
         w1_EFD, w3_EFD, w2_EDF = (w.contiguous() for w in (w1_EFD, w3_EFD, w2_EDF))
         E, F, D = w1_EFD.shape
@@ -61,7 +63,7 @@ class QuantizedExpertWeights:
             out.check_matches(w1_EFD, w3_EFD, w2_EDF, pow2_scales)
         FB = triton.cdiv(F, TILE)
         FP = FB * TILE
-        kw = dict(pow2_scales=pow2_scales)
+        kw = dict(pow2_scales=pow2_scales, round_bf16=round_bf16)
         quantize_weight_into(w1_EFD, out.w1_q, out.w1_s, out.w13t_q, out.w13t_s, 0, FP, 0, **kw)
         quantize_weight_into(w3_EFD, out.w3_q, out.w3_s, out.w13t_q, out.w13t_s, FP, FP, FB, **kw)
         quantize_weight_into(w2_EDF, out.w2_q, out.w2_s, out.w2t_q, out.w2t_s, **kw)
