@@ -143,7 +143,7 @@ def test_eager_forward_refreshes_a_stale_cache(mode):
     assert trainer.weight_cache_mode == mode
     experts = trainer.model.layers["0"].moe.experts
     assert isinstance(experts.weight_cache, ExpertWeightCache)
-    inputs = next(iter(trainer.dataloader))[0]
+    inputs = next(iter(trainer.dataloader))[0].to(DEVICE)
 
     def forward():
         with torch.no_grad(), trainer.amp:

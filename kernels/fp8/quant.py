@@ -524,7 +524,8 @@ def quantize_weight(w: torch.Tensor, pow2_scales: bool = False) -> tuple[torch.T
 
 def quantize_weight_into(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, qt: torch.Tensor | None = None,
                          st: torch.Tensor | None = None, qt_col0: int = 0, qt_cols: int | None = None,
-                         st_col0: int = 0, pow2_scales: bool = False, round_bf16: bool = False) -> None:
+                         st_col0: int = 0, pow2_scales: bool = False, round_bf16: bool = False,
+                         num_warps: int = 8) -> None:
     """:func:`quantize_weight` of w (E, N, K) into given tensors, optionally also writing the
     transposed layout in the same pass (one read of w: the expert weight cache's refresh).
 
@@ -566,5 +567,5 @@ def quantize_weight_into(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, qt: 
         w, q.view(torch.uint8), s, qt.view(torch.uint8) if trans else q.view(torch.uint8), st if trans else s,
         N, K, qt.shape[2] if trans else 0, qt_col0, qt_cols, st.shape[2] if trans else 0, st_col0,
         POW2=pow2_scales, SOFT=interpreting(), TRANS=trans, ROUND_BF16=round_bf16 and w.dtype != torch.bfloat16,
-        num_warps=8,
+        num_warps=num_warps,
     )  # fmt: skip
