@@ -345,6 +345,7 @@ def _weight_kernel(
     SOFT: tl.constexpr,
     TRANS: tl.constexpr = False,
     ROUND_BF16: tl.constexpr = False,
+    TRANS_FROM: tl.constexpr = 0,
 ):
     e = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
@@ -362,7 +363,8 @@ def _weight_kernel(
             w = w.to(tl.bfloat16)
     w = w.to(tl.float32)
     s = scale_from_amax(tl.max(tl.max(tl.abs(w), axis=1), axis=0), POW2)
-    q = to_e4m3_bits(quantize_tile(w, s), SOFT)
+    y = quantize_tile(w, s)
+    q = to_e4m3_bits(y, SOFT)
     tl.store(q_ptr + off, q, mask=mask)
     tl.store(s_ptr + (e * tl.cdiv(N, _TILE) + nb) * tl.cdiv(K, _TILE) + kb, s)
     if TRANS:
@@ -371,7 +373,23 @@ def _weight_kernel(
         # the masked loads' zeros.
         tmask = (offs_k < K)[:, None] & (offs_n < QT_COLS)[None, :]
         toff = e * K * LDT + offs_k.to(tl.int64)[:, None] * LDT + QT_COL0 + offs_n[None, :]
-        tl.store(qt_ptr + toff, tl.trans(q), mask=tmask)
+        # Which tile is transposed (launch sweep, Run 23): 0 the e4m3 bytes, 1 the fp32 quotients
+        # (converted again after), 2 none: the quotients of w re-read in transposed order (L2 hits).
+        if TRANS_FROM == 0:
+            qt = tl.trans(q)
+        elif TRANS_FROM == 1:
+            qt = to_e4m3_bits(tl.trans(y), SOFT)
+        else:
+            toff_w = e * N * K + offs_k[:, None] + offs_n.to(tl.int64)[None, :] * K
+            wt = tl.load(w_ptr + toff_w, mask=(offs_k < K)[:, None] & (offs_n < N)[None, :], other=0.0)
+            if ROUND_BF16:
+                if SOFT:
+                    u = wt.to(tl.int32, bitcast=True)
+                    wt = ((u + 0x7FFF + ((u >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+                else:
+                    wt = wt.to(tl.bfloat16)
+            qt = to_e4m3_bits(quantize_tile(wt.to(tl.float32), s), SOFT)
+        tl.store(qt_ptr + toff, qt, mask=tmask)
         tl.store(st_ptr + (e * tl.cdiv(K, _TILE) + kb) * LDST + ST_COL0 + nb, s)
 
 
@@ -522,10 +540,15 @@ def quantize_weight(w: torch.Tensor, pow2_scales: bool = False) -> tuple[torch.T
     return q, s
 
 
+# The weight pass's launch: warps, and which tile the transposed store transposes (see _weight_kernel).
+WEIGHT_PASS_WARPS = 8
+WEIGHT_TRANS_FROM = 0
+
+
 def quantize_weight_into(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, qt: torch.Tensor | None = None,
                          st: torch.Tensor | None = None, qt_col0: int = 0, qt_cols: int | None = None,
                          st_col0: int = 0, pow2_scales: bool = False, round_bf16: bool = False,
-                         num_warps: int = 8) -> None:
+                         num_warps: int | None = None, trans_from: int | None = None) -> None:
     """:func:`quantize_weight` of w (E, N, K) into given tensors, optionally also writing the
     transposed layout in the same pass (one read of w: the expert weight cache's refresh).
 
@@ -567,5 +590,6 @@ def quantize_weight_into(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, qt: 
         w, q.view(torch.uint8), s, qt.view(torch.uint8) if trans else q.view(torch.uint8), st if trans else s,
         N, K, qt.shape[2] if trans else 0, qt_col0, qt_cols, st.shape[2] if trans else 0, st_col0,
         POW2=pow2_scales, SOFT=interpreting(), TRANS=trans, ROUND_BF16=round_bf16 and w.dtype != torch.bfloat16,
-        num_warps=num_warps,
+        TRANS_FROM=WEIGHT_TRANS_FROM if trans_from is None else trans_from,
+        num_warps=WEIGHT_PASS_WARPS if num_warps is None else num_warps,
     )  # fmt: skip
