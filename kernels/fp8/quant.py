@@ -328,6 +328,19 @@ def _cols_grouped_kernel(
 
 
 @triton.jit
+def _rounded(w, ROUND_BF16: tl.constexpr, SOFT: tl.constexpr):
+    """w as fp32; with ROUND_BF16 its values rounded to bf16 (float32 masters quantized from the
+    op's bf16 inputs without a cast pass over the weights)."""
+    if ROUND_BF16:
+        if SOFT:  # the interpreter's fp32 -> bf16 cast does not round to nearest even: on the bits
+            u = w.to(tl.int32, bitcast=True)
+            w = ((u + 0x7FFF + ((u >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        else:
+            w = w.to(tl.bfloat16)
+    return w.to(tl.float32)
+
+
+@triton.jit
 def _weight_kernel(
     w_ptr,  # (E, N, K)
     q_ptr,  # (E, N, K) uint8 out
@@ -345,7 +358,6 @@ def _weight_kernel(
     SOFT: tl.constexpr,
     TRANS: tl.constexpr = False,
     ROUND_BF16: tl.constexpr = False,
-    TRANS_FROM: tl.constexpr = 0,
 ):
     e = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
@@ -354,41 +366,22 @@ def _weight_kernel(
     offs_k = kb * _TILE + tl.arange(0, _TILE)
     mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
     off = e * N * K + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
-    w = tl.load(w_ptr + off, mask=mask, other=0.0)
-    if ROUND_BF16:  # float32 masters quantized from their bf16 values (the op's inputs), no cast pass
-        if SOFT:  # the interpreter's fp32 -> bf16 cast does not round to nearest even: on the bits
-            u = w.to(tl.int32, bitcast=True)
-            w = ((u + 0x7FFF + ((u >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-        else:
-            w = w.to(tl.bfloat16)
-    w = w.to(tl.float32)
+    w = _rounded(tl.load(w_ptr + off, mask=mask, other=0.0), ROUND_BF16, SOFT)
     s = scale_from_amax(tl.max(tl.max(tl.abs(w), axis=1), axis=0), POW2)
-    y = quantize_tile(w, s)
-    q = to_e4m3_bits(y, SOFT)
+    q = to_e4m3_bits(quantize_tile(w, s), SOFT)
     tl.store(q_ptr + off, q, mask=mask)
     tl.store(s_ptr + (e * tl.cdiv(N, _TILE) + nb) * tl.cdiv(K, _TILE) + kb, s)
     if TRANS:
-        # The dgrad layout from the same bytes: transposed in registers, so the store runs along the
-        # transposed rows. Columns n in [N, QT_COLS) (padding of a layout rounded up to 128) get
-        # the masked loads' zeros.
+        # The dgrad layout: the same bytes transposed. Columns n in [N, QT_COLS) (padding of a layout
+        # rounded up to 128) get the masked load's zeros.
         tmask = (offs_k < K)[:, None] & (offs_n < QT_COLS)[None, :]
         toff = e * K * LDT + offs_k.to(tl.int64)[:, None] * LDT + QT_COL0 + offs_n[None, :]
-        # Which tile is transposed (launch sweep, Run 23): 0 the e4m3 bytes, 1 the fp32 quotients
-        # (converted again after), 2 none: the quotients of w re-read in transposed order (L2 hits).
-        if TRANS_FROM == 0:
-            qt = tl.trans(q)
-        elif TRANS_FROM == 1:
-            qt = to_e4m3_bits(tl.trans(y), SOFT)
-        else:
-            toff_w = e * N * K + offs_k[:, None] + offs_n.to(tl.int64)[None, :] * K
-            wt = tl.load(w_ptr + toff_w, mask=(offs_k < K)[:, None] & (offs_n < N)[None, :], other=0.0)
-            if ROUND_BF16:
-                if SOFT:
-                    u = wt.to(tl.int32, bitcast=True)
-                    wt = ((u + 0x7FFF + ((u >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-                else:
-                    wt = wt.to(tl.bfloat16)
-            qt = to_e4m3_bits(quantize_tile(wt.to(tl.float32), s), SOFT)
+        # The quotients of w re-read in transposed order (L2 hits: this program just loaded them) and
+        # quantized again with the same scale: the same bytes as tl.trans(q), whose layout conversion
+        # through shared memory ran slower (Run 23, one 235B weight: 1.72 vs 2.19 ms at 16 warps).
+        toff_w = e * N * K + offs_k[:, None] + offs_n.to(tl.int64)[None, :] * K
+        wt = tl.load(w_ptr + toff_w, mask=(offs_k < K)[:, None] & (offs_n < N)[None, :], other=0.0)
+        qt = to_e4m3_bits(quantize_tile(_rounded(wt, ROUND_BF16, SOFT), s), SOFT)
         tl.store(qt_ptr + toff, qt, mask=tmask)
         tl.store(st_ptr + (e * tl.cdiv(K, _TILE) + kb) * LDST + ST_COL0 + nb, s)
 
@@ -540,15 +533,10 @@ def quantize_weight(w: torch.Tensor, pow2_scales: bool = False) -> tuple[torch.T
     return q, s
 
 
-# The weight pass's launch: warps, and which tile the transposed store transposes (see _weight_kernel).
-WEIGHT_PASS_WARPS = 8
-WEIGHT_TRANS_FROM = 0
-
-
 def quantize_weight_into(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, qt: torch.Tensor | None = None,
                          st: torch.Tensor | None = None, qt_col0: int = 0, qt_cols: int | None = None,
                          st_col0: int = 0, pow2_scales: bool = False, round_bf16: bool = False,
-                         num_warps: int | None = None, trans_from: int | None = None) -> None:
+                         num_warps: int = 16) -> None:
     """:func:`quantize_weight` of w (E, N, K) into given tensors, optionally also writing the
     transposed layout in the same pass (one read of w: the expert weight cache's refresh).
 
@@ -590,6 +578,5 @@ def quantize_weight_into(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, qt: 
         w, q.view(torch.uint8), s, qt.view(torch.uint8) if trans else q.view(torch.uint8), st if trans else s,
         N, K, qt.shape[2] if trans else 0, qt_col0, qt_cols, st.shape[2] if trans else 0, st_col0,
         POW2=pow2_scales, SOFT=interpreting(), TRANS=trans, ROUND_BF16=round_bf16 and w.dtype != torch.bfloat16,
-        TRANS_FROM=WEIGHT_TRANS_FROM if trans_from is None else trans_from,
-        num_warps=WEIGHT_PASS_WARPS if num_warps is None else num_warps,
+        num_warps=num_warps,  # 16: Run 23's sweep (8: 1.27x, 32: 1.31x the time)
     )  # fmt: skip
