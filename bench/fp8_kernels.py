@@ -116,17 +116,14 @@ def time_moe_ops(T=16384, top_k=8, E=128, shapes=SHAPES, iters=20, device="cuda"
     """Median ms of the whole MoE op, forward and forward + backward: bf16 ``mega``, ``mega_fp8``
     quantizing its weights per call, and ``mega_fp8`` as the trainer runs it with the expert weight
     cache (``cached``: e4m3 copies made beforehand, float32 master weights as gradient carriers,
-    their gradients written in float32); the cached op also with ``wgrad = "bf16"``, with the options
-    not yet on by default (``kernels.mega_moe_fp8.backward.DH_COLS``: the wgrad operands of dH and
-    s * A written by the dH epilogue; ``kernels.mega_moe_fp8.forward.GATE_UP_PREGATHER``: x's rows
-    copied into sorted order so gate/up loads both operands by TMA), and with Run 21's defaults (no
-    TMA, the fused dH kernel) for reference. Each row's ratio is bf16 ``mega`` / it.
+    their gradients written in float32); the cached op also with ``wgrad = "bf16"``, and with Run
+    21's defaults (no TMA, the fused dH kernel) for reference. Each row's ratio is bf16 ``mega`` / it.
+    (Run 23 timed two more options here, both slower and since removed: bench/NOTES.md.)
 
     ``timer(fn, iters)`` returns ms (default: CUDA events, :func:`bench.timing.time_ms`); the tests run
     this at a tiny size on CPU with a wall clock to exercise the code paths.
     """
     from kernels.mega_moe_fp8 import backward as B
-    from kernels.mega_moe_fp8 import forward as Fw
     from kernels.mega_moe_fp8.weights import QuantizedExpertWeights
 
     timer = timer or time_ms
@@ -137,16 +134,12 @@ def time_moe_ops(T=16384, top_k=8, E=128, shapes=SHAPES, iters=20, device="cuda"
         cached = functools.partial(get_moe_backend("mega_fp8"), quantized=quantized)
         master = (w1.float(), w3.float(), w2.float())
         # label -> (op, weights, option switches to set for the row: {(module, name): value})
-        on = {(B, "DH_COLS"): True, (Fw, "GATE_UP_PREGATHER"): True}
         variants = {
             "mega (bf16)": (get_moe_backend("mega"), (w1, w3, w2), {}),
             "mega_fp8, weights quantized per call": (get_moe_backend("mega_fp8"), (w1, w3, w2), {}),
             "mega_fp8 cached": (cached, master, {}),
             "  + bf16 wgrad": (functools.partial(_with_bf16_wgrad, get_moe_backend("mega_fp8"), quantized),
                                master, {}),
-            "  + dH cols (wgrad operands from the epilogue)": (cached, master, {(B, "DH_COLS"): True}),
-            "  + pre-gathered x for gate/up (TMA)": (cached, master, {(Fw, "GATE_UP_PREGATHER"): True}),
-            "  + both": (cached, master, on),
             "  Run 21 defaults (no TMA, fused dH)": (cached, master, {(G, "USE_TMA"): False, (B, "DH_SPLIT"): False}),
         }
         flops = 2 * T * top_k * D * F * 3  # forward: gate, up, down
@@ -221,17 +214,6 @@ def sweep(T: int = 16384, top_k: int = 8, E: int = 128, D: int = 2048, F: int = 
               lambda: G.fp8_gate_up_swiglu(
                   xq, xs, w1q, w1s, w3q, w3s, slots, offs, top_k, quantize_a=True, store_a=False, tiles=tiles,
                   block_m=bm, num_warps=warps, num_stages=stages, tma=tma, prefetch=pf), 2 * flops)
-    # GATE_UP_PREGATHER: x's e4m3 rows copied into sorted order (bytes: read + write N x D, scales aside),
-    # then gate/up with both operands through TMA.
-    src = (slots // top_k).long()
-    t("pre-gather x_q rows (index_select)", lambda: (xq.view(torch.uint8).index_select(0, src), xs.index_select(0, src)),
-      2 * N * D, "GB/s")
-    xgq, xgs = xq.view(torch.uint8).index_select(0, src).view(xq.dtype), xs.index_select(0, src)
-    for bm, warps, stages in ((128, 8, 3), (128, 8, 4), (64, 4, 3), (64, 8, 3)):
-        tiles = tile_table(offs, N, bm)
-        t(f"gate_up+quantA pre-gathered x, tma bm{bm} w{warps} s{stages}", lambda: G.fp8_gate_up_swiglu(
-            xgq, xgs, w1q, w1s, w3q, w3s, slots, offs, top_k, quantize_a=True, store_a=False, tiles=tiles,
-            block_m=bm, num_warps=warps, num_stages=stages, tma=True, x_sorted=True), 2 * flops)
     for bm, bn, warps, stages, tma in ((64, 128, 4, 4, False), (64, 128, 4, 3, False), (128, 128, 8, 3, False),
                                        (64, 128, 4, 3, True), (64, 128, 4, 4, True), (128, 128, 8, 3, True)):
         tiles = tile_table(offs, N, bm)
@@ -251,9 +233,6 @@ def sweep(T: int = 16384, top_k: int = 8, E: int = 128, D: int = 2048, F: int = 
             dyq, dys, w2t_q, w2t_s, h, s_TK, slots, offs, block_m=bm, num_warps=warps, num_stages=stages), flops)
     t("dh split (fp8_grouped_gemm fp32 dA' + epilogue kernel)", lambda: B.dh_swiglu(
         dyq, dys, w2t_q, w2t_s, h, s_TK, slots, offs, split=True), flops)
-    for warps in (8, 16):  # DH_COLS: also dH and s * A quantized along the tokens (two quantize_cols passes less)
-        t(f"dh cols (split + wgrad operands from the epilogue) w{warps}", lambda: B.dh_swiglu_cols(
-            dyq, dys, w2t_q, w2t_s, h, s_TK, slots, offs, num_warps=warps), flops)
     _, (dhq, dhs), _, _ = B.dh_swiglu(dyq, dys, w2t_q, w2t_s, h, s_TK, slots, offs)
     w13t_q, w13t_s = B.dx_weight(w1, w3)
     for bm, bn, warps, stages, tma in ((64, 128, 4, 4, False), (128, 128, 8, 3, False), (64, 128, 4, 3, True),

@@ -649,13 +649,6 @@ def test_tma_loads_are_bitwise_the_pointer_loads(routing):
     (h0, a0, (q0, s0)), (h1, a1, (q1, s1)) = gu
     assert torch.equal(h0[:n], h1[:n]) and torch.equal(a0[:n], a1[:n]), f"{msg}: gate/up"
     _assert_same_q((q0[:n], s0[:n]), (q1[:n], s1[:n]), f"{msg}: quantized A")
-    # x pre-gathered into sorted-row order (GATE_UP_PREGATHER), both operands through TMA (the
-    # pointer path of pre-gathered x: the op test's T25 case).
-    src = (slots // K).long()
-    hg, _, (qg, sg) = G.fp8_gate_up_swiglu(_bytes(xq)[src].view(FP8), xs[src], w1q, w1s, w3q, w3s, slots, offs, K,
-                                           quantize_a=True, store_a=False, tma=True, x_sorted=True)
-    assert torch.equal(hg[:n], h0[:n]), f"{msg}: gate/up from pre-gathered x"
-    _assert_same_q((qg[:n], sg[:n]), (q0[:n], s0[:n]), f"{msg}: quantized A from pre-gathered x")
     # wgrad on the padded token-dim layout: dW1 = dH^T x with M = 144 (a partial row tile).
     dht = Q.quantize_cols_grouped(_input(T * K, F, torch.float32, zeros=False), offs, padded=True)
     xt = Q.quantize_cols_grouped(_input(T, D, torch.float32, zeros=False), offs, slots, K, padded=True)

@@ -222,11 +222,6 @@ _CASES = [
                  id="T23-D208-F192-emptyexperts-dhsplit-tma"),
     pytest.param(22, 2, 4, 208, 192, "random", False, dict(dh_split=False, tma=False),
                  id="T22-D208-F192-fuseddh-pointerloads"),
-    # DH_COLS (off by default until timed): the wgrad operands of dH and s * A from the epilogue.
-    pytest.param(27, 2, 4, 128, 192, "empty_expert", False, dict(dh_cols=True), id="T27-F192-emptyexperts-dhcols"),
-    # GATE_UP_PREGATHER (off until timed): x's quantized rows copied into sorted order, gate/up by TMA.
-    pytest.param(26, 3, 4, 256, 128, "empty_slots", False, dict(pregather=True), id="T26-top3-emptyslots-pregather"),
-    pytest.param(25, 2, 4, 128, 128, "random", False, dict(pregather=True, tma=False), id="T25-pregather-pointerloads"),
 ]
 
 
@@ -244,12 +239,6 @@ def test_forward_backward(T, K, E, D, F, kind, outliers, opts, monkeypatch):
         monkeypatch.setattr(B, "DH_SPLIT", opts.pop("dh_split"))
     if "tma" in opts:
         monkeypatch.setattr(G, "USE_TMA", opts.pop("tma"))
-    if "dh_cols" in opts:
-        monkeypatch.setattr(B, "DH_COLS", opts.pop("dh_cols"))
-    if "pregather" in opts:
-        from kernels.mega_moe_fp8 import forward as F_
-
-        monkeypatch.setattr(F_, "GATE_UP_PREGATHER", opts.pop("pregather"))
     _check(T, K, E, D, F, kind, outliers, **opts)
 
 
@@ -261,27 +250,6 @@ def _dh_args(T, K, E, D, F, kind):
     w2_q, w2_s = Q.quantize_weight(w2)
     h = torch.randn(T * K, 2 * F, device=DEVICE).to(BF16)
     return ids, offs, (dy_q, dy_s, B._transposed(w2_q), w2_s.mT.contiguous(), h, s, slots, offs)
-
-
-@pytest.mark.parametrize("kind", ["empty_expert", "empty_slots"])
-def test_dh_cols_equal_split_then_quantize_cols(kind):
-    """DH_COLS: the epilogue's token-dim quantization of dH and s * A is bitwise
-    quantize_cols_grouped(padded=True) of what the split path stores (surplus tiles and rows past
-    an expert's end as zeros), and its 1 x 128 dH and ds are the split path's. F = 192: a partial
-    column tile; 62 rows over 4 experts: partial and surplus 128-row tiles."""
-    seed = _seed()
-    msg = f"seed {seed} {kind}"
-    ids, offs, args = _dh_args(31, 2, 4, 128, 192, kind)
-    dh, (dh_q, dh_s), ds, sa = B.dh_swiglu(*args, split=True)
-    (cq, cs), cds, dht, sat = B.dh_swiglu_cols(*args)
-    n = int(offs[-1])
-    valid = (ids >= 0).view(-1)
-    assert torch.equal(cq.view(torch.uint8)[:n], dh_q.view(torch.uint8)[:n]) and torch.equal(cs[:n], dh_s[:n]), msg
-    assert torch.equal(cds.view(-1)[valid], ds.view(-1)[valid]), msg
-    for name, got, v in (("dH", dht, dh), ("s*A", sat, sa)):
-        want = Q.quantize_cols_grouped(v, offs, padded=True)
-        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)), f"{name} bytes; {msg}"
-        assert torch.equal(got[1], want[1]), f"{name} scales; {msg}"
 
 
 @pytest.mark.parametrize("kind", ["empty_expert", "random"])
@@ -406,13 +374,12 @@ def test_bench_code_paths():
         return (time.perf_counter() - start) * 1e3
 
     from kernels.mega_moe_fp8 import backward as B_
-    from kernels.mega_moe_fp8 import forward as F_
 
-    default = (G.USE_TMA, B_.DH_SPLIT, G.GATE_UP_PREFETCH, B_.DH_COLS, F_.GATE_UP_PREGATHER)
+    default = (G.USE_TMA, B_.DH_SPLIT, G.GATE_UP_PREFETCH)
     rows = fp8_kernels.time_moe_ops(T=8, top_k=2, E=2, shapes={"tiny": (128, 128)}, iters=1,
                                     device=DEVICE, timer=wall_ms if not _HAS_CUDA else None)
-    assert len(rows) == 9 and "cached" in rows[3] and all("TFLOP/s" in r for r in rows[1:]), rows
-    assert (G.USE_TMA, B_.DH_SPLIT, G.GATE_UP_PREFETCH, B_.DH_COLS, F_.GATE_UP_PREGATHER) == default, \
+    assert len(rows) == 6 and "cached" in rows[3] and all("TFLOP/s" in r for r in rows[1:]), rows
+    assert (G.USE_TMA, B_.DH_SPLIT, G.GATE_UP_PREFETCH) == default, \
         "time_moe_ops left an option changed"
 
 

@@ -254,7 +254,6 @@ def _fp8_gate_up_kernel(
     table_ptr,
     w1_desc,  # TensorDescriptors of w1, w3 viewed (E * F, D), block (BLOCK_N, 128) (if TMA_B)
     w3_desc,
-    x_desc,  # TensorDescriptor of x (Nr, D) in expert-sorted rows, block (BLOCK_M, 128) (if TMA_A)
     num_tiles,
     K_TOP,
     D,
@@ -268,8 +267,6 @@ def _fp8_gate_up_kernel(
     SOFT: tl.constexpr,
     TMA_B: tl.constexpr = False,
     PREFETCH: tl.constexpr = True,
-    GATHER: tl.constexpr = True,
-    TMA_A: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(F, BLOCK_N)
@@ -278,10 +275,7 @@ def _fp8_gate_up_kernel(
     expert, rows, rmask, safe_rows = tile_rows(table_ptr, offsets_ptr, num_tiles, pid_m, BLOCK_M)
     if expert < 0:
         return
-    # GATHER: x holds token rows, read through the routing; else its rows are already the sorted
-    # rows (pre-gathered), contiguous per tile, so TMA can load them (TMA_A).
-    src = _a_rows(sorted_slot_ptr, rows, rmask, safe_rows, K_TOP, GATHER)
-    row0 = tl.load(table_ptr + num_tiles + pid_m)
+    src = _a_rows(sorted_slot_ptr, rows, rmask, safe_rows, K_TOP, True)
 
     DB = tl.cdiv(D, 128)
     FB = tl.cdiv(F, 128)
@@ -309,10 +303,7 @@ def _fp8_gate_up_kernel(
     s3 = tl.load(w3s_base)
     b_row0 = expert * F + pid_n * BLOCK_N
     for kb in range(0, DB):
-        if TMA_A:
-            x = x_desc.load([row0, kb * 128])
-        else:
-            x = _load_a(x_ptrs, kb, D, offs_k, EVEN_K)
+        x = _load_a(x_ptrs, kb, D, offs_k, EVEN_K)
         w1 = _load_b_tma(w1_ptrs, w1_desc, b_row0, kb, D, offs_k, EVEN_K, TMA_B)
         w3 = _load_b_tma(w3_ptrs, w3_desc, b_row0, kb, D, offs_k, EVEN_K, TMA_B)
         if PREFETCH:
@@ -493,22 +484,19 @@ def fp8_gate_up_swiglu(
     num_stages: int = 3,
     tma: bool | None = None,
     prefetch: bool | None = None,
-    x_sorted: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
     """FP8 gathered gate/up GEMM with the SwiGLU epilogue (FP8 twin of ``forward.gate_up``).
 
     Args:
-        x_q, x_s: (T, D) e4m3 token rows and (T, ceil(D/128)) fp32 scales; with ``x_sorted``
-            (Nr, D) and (Nr, ceil(D/128)): row r is already sorted row r's token (pre-gathered).
+        x_q, x_s: (T, D) e4m3 token rows and (T, ceil(D/128)) fp32 scales.
         w1_q, w3_q: (E, F, D) e4m3; w1_s, w3_s: (E, ceil(F/128), ceil(D/128)) fp32.
         sorted_slot_N, offsets_E1, top_k: routing (row r reads token sorted_slot_N[r] // top_k).
         quantize_a: also write A quantized in 1 x 128 tiles (the down GEMM's operand); uses
             BLOCK_N = 128 so each N-tile is one scale tile.
         store_a: write A in ``out_dtype`` (False with ``quantize_a``: the FP8 MoE needs only A's
             quantized copy, and skipping the N x F store saves its bytes).
-        tma: load w1 and w3 through TMA descriptors, and x when ``x_sorted`` (None: ``USE_TMA``
-            with ``x_sorted``, else off: gathered x rows stay pointer loads, and TMA weights beside
-            them ran 1.76 ms against 1.22 without, Run 22; see ``USE_TMA``).
+        tma: load w1 and w3 through TMA descriptors (None: off, since x's rows are gathered and
+            stay pointer loads: 1.76 ms against 1.22 without, Run 22; see ``USE_TMA``).
         prefetch: load the K loop's scales one block ahead (None: ``GATE_UP_PREFETCH``).
     Returns:
         h_N2F: (Nr, 2F) [gate | up] in ``out_dtype``; a_NF: (Nr, F) silu(gate) * up in ``out_dtype``
@@ -518,9 +506,6 @@ def fp8_gate_up_swiglu(
     _check_fp8(x_q, 2, "x_q")
     _check_fp8(w1_q, 3, "w1_q")
     _check_fp8(w3_q, 3, "w3_q")
-    if x_sorted and x_q.shape[0] != sorted_slot_N.numel():
-        raise ValueError(f"x_sorted: x_q must hold one row per sorted row ({sorted_slot_N.numel()}), got "
-                         f"{x_q.shape[0]}")
     T, D = x_q.shape
     E, F, _ = w1_q.shape
     if w1_q.shape != (E, F, D) or w3_q.shape != (E, F, D):
@@ -543,17 +528,16 @@ def fp8_gate_up_swiglu(
     if Nr == 0 or F == 0 or n_tiles == 0:
         return h, a, (aq, a_s) if quantize_a else None
     tiles = _checked_tiles(tiles, offsets_E1, Nr, bm, n_tiles)
-    use_tma = (USE_TMA and x_sorted) if tma is None else tma  # see USE_TMA
+    use_tma = bool(tma)  # None: off (x is gathered; see USE_TMA)
     w1_desc = _tma_descriptor(w1_q, E * F, bn) if use_tma else None
     w3_desc = _tma_descriptor(w3_q, E * F, bn) if use_tma else None
-    x_desc = _tma_descriptor(x_q, Nr, bm) if use_tma and x_sorted else None
     _fp8_gate_up_kernel[(n_tiles * triton.cdiv(F, bn),)](
         x_q, x_s, w1_q, w1_s, w3_q, w3_s, h, a if store_a else h,
         aq.view(torch.uint8) if quantize_a else h, a_s if quantize_a else h,
-        sorted_slot_N, offsets_E1, tiles, w1_desc, w3_desc, x_desc, n_tiles, top_k, D, F,
+        sorted_slot_N, offsets_E1, tiles, w1_desc, w3_desc, n_tiles, top_k, D, F,
         BLOCK_M=bm, BLOCK_N=bn, EVEN_K=D % TILE == 0, STORE_A=store_a, QUANT_A=quantize_a, POW2=pow2_scales,
         SOFT=interpreting(), TMA_B=w1_desc is not None and w3_desc is not None,
-        PREFETCH=GATE_UP_PREFETCH if prefetch is None else prefetch, GATHER=not x_sorted, TMA_A=x_desc is not None,
+        PREFETCH=GATE_UP_PREFETCH if prefetch is None else prefetch,
         num_warps=num_warps if not interpreting() else 4, num_stages=num_stages,
     )  # fmt: skip
     return h, a, (aq, a_s) if quantize_a else None

@@ -230,120 +230,6 @@ def _dh_epilogue(acc, rows, rmask, slot, offs_n, pid_n, s_ptr, h_ptr, dh_ptr, dh
     tl.store(ds_part_ptr + pid_n * N + slot, ds_part, mask=rmask)
 
 
-@triton.jit
-def _col_amax(v, smask, amax):
-    """amax (128,) updated with the column maxima of |v| over the rows in ``smask``."""
-    return tl.maximum(amax, tl.max(tl.abs(tl.where(smask, v.to(tl.float32), 0.0)), axis=0))
-
-
-@triton.jit
-def _store_cols_quantized(v, smask, r0, qrow64, nmask, scale, pid_t, q_ptr, LDQ, SOFT: tl.constexpr):
-    """Rows [r0, r0 + BLOCK_R) of a 128-row tile's column block ``v`` (BLOCK_R x 128), quantized with
-    the columns' scales, stored as quantize_cols_grouped(..., padded=True) does: column c's bytes at
-    row qrow64[c] of q, columns 128 pid_t + r0 + [0, BLOCK_R) (rows past the expert's end: zeros)."""
-    q = to_e4m3_bits(quantize_tile(tl.where(smask, v.to(tl.float32), 0.0), scale[None, :]), SOFT)
-    offs_r = r0 + tl.arange(0, v.shape[0])
-    tl.store(q_ptr + qrow64[None, :] * LDQ + pid_t * 128 + offs_r[:, None], q, mask=nmask[None, :])
-
-
-@triton.jit
-def _zero_cols(qrow64, nmask, pid_t, q_ptr, s_ptr, LDQ, num_tiles):
-    """A surplus tile's block of the padded layout: zero bytes, zero scales."""
-    offs_r = tl.arange(0, 128)
-    tl.store(q_ptr + qrow64[None, :] * LDQ + pid_t * 128 + offs_r[:, None], tl.zeros((128, 128), tl.uint8),
-             mask=nmask[None, :])
-    tl.store(s_ptr + qrow64 * num_tiles + pid_t, tl.zeros((128,), tl.float32), mask=nmask)
-
-
-@triton.jit
-def _dh_part(da_ptr, h_ptr, s_ptr, sorted_slot_ptr, r0, row_end, offs_n, nmask, F, BLOCK_R: tl.constexpr,
-             SOFT: tl.constexpr):
-    """Rows [r0, r0 + BLOCK_R) of an expert (those below row_end) x one 128-column tile: their dA'
-    loaded and :func:`_dh_values` of it, with the rows' int64 index, masks and slots."""
-    rows = r0 + tl.arange(0, BLOCK_R)
-    rmask = rows < row_end
-    slot = tl.load(sorted_slot_ptr + rows, mask=rmask, other=0)
-    rows64 = rows.to(tl.int64)
-    smask = rmask[:, None] & nmask[None, :]
-    acc = tl.load(da_ptr + rows64[:, None] * F + offs_n[None, :], mask=smask, other=0.0)
-    dgate, dup, sa, ds_part = _dh_values(acc, rmask, slot, smask, rows64, offs_n, s_ptr, h_ptr, F, SOFT)
-    return rows64, rmask, slot, smask, dgate, dup, sa, ds_part
-
-
-@triton.jit
-def _dh_cols_kernel(
-    da_ptr,  # (N, F) fp32: dA' by expert-sorted row
-    h_ptr,  # (N, 2F) [gate | up]
-    s_ptr,  # (N,) fp32 routing weights by slot
-    dhq_ptr,  # (N, 2 * FP) uint8 out: dH 1 x 128 (the dX GEMM's operand)
-    dhs_ptr,  # (N, 2 * FB) fp32 out
-    dht_ptr,  # (2F, LDQ) uint8 out: dH 128 x 1 along each expert's rows, padded layout (dW1, dW3)
-    dhts_ptr,  # (2F, num_tiles) fp32 out
-    sat_ptr,  # (F, LDQ) uint8 out: s * A the same way (dW2)
-    sats_ptr,  # (F, num_tiles) fp32 out
-    ds_part_ptr,  # (FB, N) fp32 out
-    sorted_slot_ptr,
-    offsets_ptr,
-    table_ptr,  # (2, num_tiles) int32, block_m = 128: the padded layout's tiles
-    num_tiles,
-    N,
-    F,
-    LDQ,  # num_tiles * 128
-    BLOCK_R: tl.constexpr,
-    POW2: tl.constexpr,
-    SOFT: tl.constexpr,
-):
-    """The split dH epilogue at the wgrad operands' 128-row tiles (DH_COLS): besides dH quantized
-    1 x 128 and ds, it writes dH and s * A already quantized along the tokens, so neither is stored
-    in bf16 nor read again by quantize_cols_grouped. The tile's rows go in BLOCK_R-row parts, twice:
-    the first pass stores the row-quantized dH and ds and takes the columns' amax, the second
-    recomputes the values (its reads of dA' and H hit L2) and stores them column-quantized. Offline
-    ptxas (bench/NOTES.md): whole 128 x 128 tiles spilled 4-26 KB per thread at every warp count;
-    32-row parts in a dynamic loop, 8 warps, 255 registers and 0.6 KB (unrolled: 2.9 KB)."""
-    pid = tl.program_id(0)
-    FB = tl.cdiv(F, 128)
-    pid_t = pid // FB
-    pid_n = pid % FB
-    offs_n = pid_n * 128 + tl.arange(0, 128)
-    nmask = offs_n < F
-    n64 = offs_n.to(tl.int64)
-    expert = tl.load(table_ptr + pid_t)
-    if expert < 0:
-        # Surplus tile: zero bytes and scales in its columns of the padded layout (every column of
-        # the wgrad operands is written, as quantize_cols_grouped does).
-        _zero_cols(n64, nmask, pid_t, dht_ptr, dhts_ptr, LDQ, num_tiles)
-        _zero_cols(n64 + F, nmask, pid_t, dht_ptr, dhts_ptr, LDQ, num_tiles)
-        _zero_cols(n64, nmask, pid_t, sat_ptr, sats_ptr, LDQ, num_tiles)
-        return
-    row0 = tl.load(table_ptr + num_tiles + pid_t)
-    row_end = tl.load(offsets_ptr + expert + 1)
-    FP = FB * 128
-    amax_g = tl.zeros((128,), tl.float32)
-    amax_u = tl.zeros((128,), tl.float32)
-    amax_s = tl.zeros((128,), tl.float32)
-    for part in range(0, 128 // BLOCK_R):
-        rows64, rmask, slot, smask, dgate, dup, sa, ds_part = _dh_part(
-            da_ptr, h_ptr, s_ptr, sorted_slot_ptr, row0 + part * BLOCK_R, row_end, offs_n, nmask, F, BLOCK_R, SOFT)
-        _store_quantized_half(dgate, nmask, rows64, rmask, offs_n, 0, pid_n, dhq_ptr, dhs_ptr, FP, FB, POW2, SOFT)
-        _store_quantized_half(dup, nmask, rows64, rmask, offs_n, FP, FB + pid_n, dhq_ptr, dhs_ptr, FP, FB, POW2, SOFT)
-        tl.store(ds_part_ptr + pid_n * N + slot, ds_part, mask=rmask)
-        amax_g = _col_amax(dgate, smask, amax_g)
-        amax_u = _col_amax(dup, smask, amax_u)
-        amax_s = _col_amax(sa, smask, amax_s)
-    sc_g = scale_from_amax(amax_g, POW2)
-    sc_u = scale_from_amax(amax_u, POW2)
-    sc_s = scale_from_amax(amax_s, POW2)
-    for part in range(0, 128 // BLOCK_R):
-        _, _, _, smask, dgate, dup, sa, _ = _dh_part(
-            da_ptr, h_ptr, s_ptr, sorted_slot_ptr, row0 + part * BLOCK_R, row_end, offs_n, nmask, F, BLOCK_R, SOFT)
-        _store_cols_quantized(dgate, smask, part * BLOCK_R, n64, nmask, sc_g, pid_t, dht_ptr, LDQ, SOFT)
-        _store_cols_quantized(dup, smask, part * BLOCK_R, n64 + F, nmask, sc_u, pid_t, dht_ptr, LDQ, SOFT)
-        _store_cols_quantized(sa, smask, part * BLOCK_R, n64, nmask, sc_s, pid_t, sat_ptr, LDQ, SOFT)
-    tl.store(dhts_ptr + n64 * num_tiles + pid_t, sc_g, mask=nmask)
-    tl.store(dhts_ptr + (n64 + F) * num_tiles + pid_t, sc_u, mask=nmask)
-    tl.store(sats_ptr + n64 * num_tiles + pid_t, sc_s, mask=nmask)
-
-
 def dh_block_m() -> int:
     """Row tile of the dH kernel. On the GPU 64, not 128: the SwiGLU-backward epilogue keeps ~6
     fp32 tiles of 128 columns live (an untuned guess; the bf16 kernel splits its epilogue instead)."""
@@ -421,66 +307,6 @@ def dh_swiglu(
             num_warps=num_warps if not interpreting() else 4, num_stages=num_stages,
         )  # fmt: skip
     return dh_N2F, (dh_q, dh_s), ds_part_PN.sum(0).view(T, K), sa_NF
-
-
-# DH_COLS: the split dH epilogue at the wgrad operands' 128-row tiles, writing dH and s * A already
-# quantized along the tokens (``dh_swiglu_cols``): drops their bf16 stores and two quantize_cols_grouped
-# passes (~1.2 GB of traffic at the 30B shape, ~-0.4 ms predicted; ~-1 ms at 235B). A program takes
-# its 128-row tile in 32-row parts (two passes), 8 warps, like the split epilogue's own 32-row launch
-# (255 registers, no spills; this kernel 0.6 KB of spills, offline ptxas). Off until timed on the H200
-# (session 8 built it after the device time was spent). Read per call; with the FP8 wgrad's padded layout.
-DH_COLS = False
-
-
-def dh_swiglu_cols(
-    dy_q: torch.Tensor,
-    dy_s: torch.Tensor,
-    w2t_q: torch.Tensor,
-    w2t_s: torch.Tensor,
-    h_N2F: torch.Tensor,
-    topk_weights_TK: torch.Tensor,
-    sorted_slot_N: torch.Tensor,
-    offsets_E1: torch.Tensor,
-    pow2_scales: bool = False,
-    tiles128: torch.Tensor | None = None,
-    num_warps: int = 8,
-    block_r: int = 32,
-) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, tuple[torch.Tensor, torch.Tensor],
-           tuple[torch.Tensor, torch.Tensor]]:
-    """:func:`dh_swiglu`'s split path with the wgrad operands written by the epilogue (DH_COLS).
-
-    Returns:
-        (dh_q, dh_s), ds_TK: as :func:`dh_swiglu`.
-        (dht_q, dht_s): ``quantize_cols_grouped(dH, offsets_E1, padded=True)`` of the dH that
-            :func:`dh_swiglu` returns, bit for bit: (2F, n_tiles * 128) e4m3, (2F, n_tiles) fp32.
-        (sat_q, sat_s): the same of its s * A: (F, n_tiles * 128), (F, n_tiles).
-    """
-    T, K = topk_weights_TK.shape
-    E, F, D = w2t_q.shape
-    N = T * K
-    FB = triton.cdiv(F, TILE)
-    dev = h_N2F.device
-    n_tiles = max_tiles(N, E, TILE)
-    ldq = n_tiles * TILE
-    dh_q = torch.empty((N, 2 * FB * TILE), device=dev, dtype=FP8)
-    dh_s = torch.empty((N, 2 * FB), device=dev, dtype=torch.float32)
-    dht_q = torch.empty((2 * F, ldq), device=dev, dtype=FP8)
-    dht_s = torch.empty((2 * F, n_tiles), device=dev, dtype=torch.float32)
-    sat_q = torch.empty((F, ldq), device=dev, dtype=FP8)
-    sat_s = torch.empty((F, n_tiles), device=dev, dtype=torch.float32)
-    ds_part_PN = torch.empty((FB, N), device=dev, dtype=torch.float32)
-    if N > 0 and F > 0 and n_tiles > 0:
-        gbm, _ = gemm_blocks()
-        da_NF = fp8_grouped_gemm(dy_q, dy_s, w2t_q, w2t_s, offsets_E1, sorted_slot_N, K, out_dtype=torch.float32,
-                                 block_m=gbm, block_n=TILE)
-        tiles128 = tile_table(offsets_E1, N, TILE) if tiles128 is None else tiles128
-        _dh_cols_kernel[(n_tiles * FB,)](
-            da_NF, h_N2F, topk_weights_TK, dh_q.view(torch.uint8), dh_s, dht_q.view(torch.uint8), dht_s,
-            sat_q.view(torch.uint8), sat_s, ds_part_PN, sorted_slot_N, offsets_E1, tiles128, n_tiles, N, F, ldq,
-            BLOCK_R=block_r, POW2=pow2_scales, SOFT=interpreting(),
-            num_warps=num_warps if not interpreting() else 4,
-        )  # fmt: skip
-    return (dh_q, dh_s), ds_part_PN.sum(0).view(T, K), (dht_q, dht_s), (sat_q, sat_s)
 
 
 def _wgrad_blocks() -> tuple[int | None, int | None]:
@@ -562,16 +388,10 @@ def moe_fp8_backward(
         w2t_q, w2t_s = quantized.w2t_q, quantized.w2t_s
     tiles128 = tile_table(offsets_E1, N, TILE)
     pad = WGRAD_PADDED  # read per call, so a test or a benchmark can switch layouts
-    if DH_COLS and wgrad == "fp8" and pad:  # the wgrad operands of dH and s * A from the epilogue
-        (dh_q, dh_s), ds_TK, dht, sat = dh_swiglu_cols(
-            dy_q, dy_s, w2t_q, w2t_s, h_N2F, topk_weights_TK, sorted_slot_N, offsets_E1, pow2_scales, tiles128)
-        dh_N2F = sa_NF = None
-    else:
-        dh_N2F, (dh_q, dh_s), ds_TK, sa_NF = dh_swiglu(
-            dy_q, dy_s, w2t_q, w2t_s, h_N2F, topk_weights_TK, sorted_slot_N, offsets_E1,
-            store_sa=True, pow2_scales=pow2_scales,
-        )  # fmt: skip
-        dht = sat = None
+    dh_N2F, (dh_q, dh_s), ds_TK, sa_NF = dh_swiglu(
+        dy_q, dy_s, w2t_q, w2t_s, h_N2F, topk_weights_TK, sorted_slot_N, offsets_E1,
+        store_sa=True, pow2_scales=pow2_scales,
+    )  # fmt: skip
     del dy_q, dy_s, w2t_q, w2t_s
 
     if quantized is None:
@@ -601,13 +421,13 @@ def moe_fp8_backward(
     # expert. dH's 2F columns are quantized in one pass; its gate and dup halves are contiguous row
     # ranges of the transposed copy, so dW1 and dW3 are two GEMMs with no slicing copy.
     xt_q, xt_s = quantize_cols_grouped(x_TD, offsets_E1, sorted_slot_N, K, pow2_scales, tiles128, padded=pad)
-    dht_q, dht_s = dht or quantize_cols_grouped(dh_N2F, offsets_E1, None, 1, pow2_scales, tiles128, padded=pad)
-    del dh_N2F, dht
+    dht_q, dht_s = quantize_cols_grouped(dh_N2F, offsets_E1, None, 1, pow2_scales, tiles128, padded=pad)
+    del dh_N2F
     bm, bn = _wgrad_blocks()
     dw1_EFD = fp8_wgrad(dht_q[:F], dht_s[:F], xt_q, xt_s, offsets_E1, w1_EFD.dtype, bm, bn, padded=pad)
     dw3_EFD = fp8_wgrad(dht_q[F:], dht_s[F:], xt_q, xt_s, offsets_E1, w3_EFD.dtype, bm, bn, padded=pad)
     del xt_q, xt_s, dht_q, dht_s
     dyt_q, dyt_s = quantize_cols_grouped(dy_TD, offsets_E1, sorted_slot_N, K, pow2_scales, tiles128, padded=pad)
-    sat_q, sat_s = sat or quantize_cols_grouped(sa_NF, offsets_E1, None, 1, pow2_scales, tiles128, padded=pad)
+    sat_q, sat_s = quantize_cols_grouped(sa_NF, offsets_E1, None, 1, pow2_scales, tiles128, padded=pad)
     dw2_EDF = fp8_wgrad(dyt_q, dyt_s, sat_q, sat_s, offsets_E1, w2_EDF.dtype, bm, bn, padded=pad)
     return dx_TD, dw1_EFD, dw3_EFD, dw2_EDF, ds_TK

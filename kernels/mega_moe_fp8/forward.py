@@ -28,14 +28,6 @@ from kernels.mega_moe.common import sum_over_k, valid_slots
 from kernels.mega_moe.routing import sort_by_expert, tile_table
 from kernels.mega_moe_fp8.weights import QuantizedExpertWeights
 
-# GATE_UP_PREGATHER: copy x's quantized rows into expert-sorted order first (one index_select of
-# the e4m3 bytes and scales: N x D bytes written), so that the gate/up GEMM loads both operands
-# through TMA like the down and dX GEMMs (Run 22: those ran at 745-827 TFLOP/s with TMA, gate/up
-# with gathered pointer loads at 678). Predicted -0.1 ms at 30B, ~-1 ms at 235B (gate/up 5.5 ms there
-# at ~600 TFLOP/s). Off until timed on the H200 (built after session 8's device time). Read per call.
-GATE_UP_PREGATHER = False
-
-
 def gemm_blocks() -> tuple[int, int]:
     """(block_m, block_n) of the M-tiled FP8 GEMMs (gate/up, down, dX); one tile table serves all.
     On the GPU 64 x 128, the building blocks' defaults (Run 12 sweep: gate/up 4.40 -> 1.81 ms,
@@ -82,13 +74,9 @@ def moe_fp8_forward(
         w3_q, w3_s = quantize_weight(w3_EFD, pow2_scales)
     else:
         w1_q, w1_s, w3_q, w3_s = quantized.w1_q, quantized.w1_s, quantized.w3_q, quantized.w3_s
-    if GATE_UP_PREGATHER:
-        src_N = (sorted_slot_N // K).long()
-        x_q, x_s = x_q.view(torch.uint8).index_select(0, src_N).view(x_q.dtype), x_s.index_select(0, src_N)
     h_N2F, _, (a_q, a_s) = fp8_gate_up_swiglu(
         x_q, x_s, w1_q, w1_s, w3_q, w3_s, sorted_slot_N, offsets_E1, K, out_dtype=x_TD.dtype,
         quantize_a=True, store_a=False, pow2_scales=pow2_scales, tiles=tiles_gu, block_m=bm_gu,
-        x_sorted=GATE_UP_PREGATHER,
     )  # fmt: skip
     del x_q, x_s, w1_q, w1_s, w3_q, w3_s
     w2_q, w2_s = quantize_weight(w2_EDF, pow2_scales) if quantized is None else (quantized.w2_q, quantized.w2_s)
