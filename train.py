@@ -62,10 +62,11 @@ def check_implemented(cfg: JobConfig) -> None:
                           f"(backend {name!r}) is not implemented yet; set [quantize] moe = \"none\" (bf16)")
     on_gpu = cfg.training.device != "cpu" and torch.cuda.is_available()
     if name == "mega_fp8" and on_gpu:
-        # Correct on the H200 (its GPU tests pass) but not yet fast: say so at start.
+        # Correct on the H200 (its GPU tests pass) but slower than bf16 there: say so at start.
         print("warning: [quantize] moe = \"fp8_blockwise\" (the FP8 mega kernels) is correct but still slower "
-              "than bf16 mega on the H200 (whole op 11.3 vs 8.7 ms at the 30B shape with cached weights, "
-              "BENCHMARKS Run 20; issue 6); for speed use [quantize] moe = \"none\"",
+              "than bf16 mega on the H200 (whole op 9.8 vs 8.7 ms at the 30B shape with cached weights; "
+              "tokens/s 4% under bf16 experts at the 30B proxy, BENCHMARKS Run 23); for speed use "
+              "[quantize] moe = \"none\"",
               file=sys.stderr, flush=True)
 
 
