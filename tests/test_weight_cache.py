@@ -36,11 +36,10 @@ def _run(op_args, weights, quantized):
 
 
 # (T, K, E, D, F, routing, wgrad, pow2): T never a multiple of the tiles; both wgrad precisions and
-# both scale roundings each appear.
+# both scale roundings each appear. (Routing patterns -- top-1, top-8, all tokens on one expert --
+# are the op tests' business, tests/test_mega_moe_fp8.py; here the cached weights must change nothing.)
 _CASES = [
-    pytest.param(37, 2, 4, 256, 128, "empty_expert", "fp8", False, id="T37-top2-emptyexperts"),
-    pytest.param(33, 1, 4, 256, 256, "one_expert", "bf16", True, id="T33-top1-all-to-one-bf16wgrad-pow2"),
-    pytest.param(16, 8, 8, 128, 128, "random", "fp8", True, id="T16-top8-E8-pow2"),
+    pytest.param(37, 2, 4, 256, 128, "empty_expert", "fp8", True, id="T37-top2-emptyexperts-pow2"),
     # F not a multiple of 128: the dX operand's two zero-padded halves; D a partial scale tile.
     pytest.param(21, 2, 4, 200, 192, "empty_expert", "bf16", False, id="T21-D200-F192-bf16wgrad"),
 ]
