@@ -15,7 +15,8 @@ from components.config import Compile
 # TORCH_LOGS=output_code, session 7): the forward's combine of chunk 0 travels under chunk 1's experts, and in
 # the backward the second chunk's incoming gradient travels under the first chunk's experts, and
 # each chunk's outgoing dx under the next compute; the forward's dispatch of chunk 1 still waits
-# before chunk 0's experts. The newer pair (reorder_communication_preserving_peak_memory,
+# before chunk 0's experts (in a training graph each collective depends on the previous one's wait,
+# which no reorder pass can lift: bench/NOTES.md, session 9). The newer pair (reorder_communication_preserving_peak_memory,
 # sink_waits_iterative) overlapped one all-to-all less in the backward. Losses bitwise unchanged.
 COMM_REORDER_PASSES = ("sink_waits", "raise_comms", "reorder_compute_for_overlap")
 
