@@ -10,31 +10,129 @@ from components.config import Compile
 
 # Inductor's compute/communication reordering, on when a compiled block holds several independent
 # all-to-alls (chunked expert parallelism, ``[parallelism] expert_parallel_chunks`` > 1). Without it
-# inductor keeps each wait right after its collective, so the chunks overlap nothing. With these
-# three passes (CPU run, gloo, 2 ranks, mega backend, 2 chunks; generated code read with
-# TORCH_LOGS=output_code, session 7): the forward's combine of chunk 0 travels under chunk 1's experts, and in
-# the backward the second chunk's incoming gradient travels under the first chunk's experts, and
-# each chunk's outgoing dx under the next compute; the forward's dispatch of chunk 1 still waits
-# before chunk 0's experts (in a training graph each collective depends on the previous one's wait,
-# which no reorder pass can lift: bench/NOTES.md, session 9). The newer pair (reorder_communication_preserving_peak_memory,
-# sink_waits_iterative) overlapped one all-to-all less in the backward. Losses bitwise unchanged.
-COMM_REORDER_PASSES = ("sink_waits", "raise_comms", "reorder_compute_for_overlap")
+# inductor keeps each wait right after its collective, so the chunks overlap nothing. Session 7 ran
+# three builtin passes (sink_waits, raise_comms, reorder_compute_for_overlap): the combines overlapped,
+# but the forward's dispatch of chunk 1 still waited before chunk 0's experts. Session 9 found why
+# (bench/NOTES.md): in a training graph each collective depends on the previous collective's wait,
+# which no builtin pass can lift. ``unchained_reorder`` runs the builtin passes below with those
+# dependencies lifted, then sinks each wait and the compute that reads it down to its first reader.
+# On the trainer's graph (CPU, 2 gloo ranks, mega, 2 chunks, 1 layer; session 10, output code read
+# with TORCH_LOGS=output_code) the forward issues all four dispatch all-to-alls (rows and ids of both
+# chunks) before chunk 0's experts, chunk 0's combine travels under chunk 1's experts, and both
+# combines are awaited at the end; the backward issues both chunks' incoming-gradient all-to-alls
+# first and each chunk's outgoing dx under the next chunk's expert backward. Losses and grad norms
+# equal the builtin passes' run (8.1039 / 7.9610).
+# reorder_compute_for_overlap is left out: with CPU cost estimates it pulled waits back up; on the
+# GPU it is a candidate to measure.
+COMM_REORDER_PASSES = ("raise_comms", "sink_waits")
+
+
+def _collective_names(snodes) -> list[str]:
+    from torch._inductor.utils import contains_collective
+
+    return [sn.get_name() for sn in snodes if contains_collective(sn)]
+
+
+def _sink_after_waits(order: list, is_collective=None, is_wait=None) -> list:
+    """``order`` with each wait, and every node downstream of a wait, moved down to just before its
+    first reader that is not (to the end if none): collectives and the nodes they do not depend on
+    through a wait keep their places. sink_waits alone is greedy (once only waits are ready it emits
+    them all), and the compute reading a combine's result stayed above the next chunk's experts: chunk
+    0's combine wait then came before chunk 1's experts. Here the experts of a chunk go just before its
+    combine, which is the first collective that reads them, and the combine's reduction goes below.
+    ``is_collective`` / ``is_wait`` default to inductor's tests (tests pass their own for stand-ins)."""
+    from torch._inductor.utils import contains_collective, contains_wait
+
+    contains_collective = is_collective or contains_collective
+    contains_wait = is_wait or contains_wait
+    made_by = {b: sn for sn in order for b in sn.get_buffer_names()}
+    sinkable = set()
+    for sn in order:  # a topological order: a node's producers come before it
+        if contains_collective(sn):
+            continue
+        if contains_wait(sn) or any(made_by.get(d.name) in sinkable for d in sn.unmet_dependencies):
+            sinkable.add(sn)
+    readers = {sn: [] for sn in order}
+    for sn in order:
+        for d in sn.unmet_dependencies:
+            if d.name in made_by and made_by[d.name] is not sn:
+                readers[made_by[d.name]].append(sn)
+    pos = {sn: i for i, sn in enumerate(order)}
+    deadline = {}
+    for sn in reversed(order):
+        if sn in sinkable:
+            deadline[sn] = min((deadline[r] if r in sinkable else pos[r] for r in readers[sn]), default=len(order))
+    before = {}  # position of an anchored node -> the sinkable nodes to put just before it, in order
+    for sn in order:
+        if sn in sinkable:
+            before.setdefault(deadline[sn], []).append(sn)
+    out = []
+    for i, sn in enumerate(order):
+        if sn not in sinkable:
+            out.extend(before.get(i, []))
+            out.append(sn)
+    out.extend(before.get(len(order), []))
+    return out if len(out) == len(order) and _respects_dependencies(out) else order
+
+
+def _respects_dependencies(order: list) -> bool:
+    """Every node after the nodes whose buffers it depends on (those in ``order``)."""
+    made = {b: pos for pos, sn in enumerate(order) for b in sn.get_buffer_names()}
+    return all(made.get(dep.name, -1) < pos for pos, sn in enumerate(order) for dep in sn.unmet_dependencies)
+
+
+def unchained_reorder(snodes: list) -> list:
+    """An inductor reorder pass (a callable in ``reorder_for_compute_comm_overlap_passes``): the
+    builtin ``COMM_REORDER_PASSES`` with each collective's ordering dependencies on waits lifted
+    while they run, restored after.
+
+    Why: inductor chains every collective after the previous one, so that all ranks issue them in
+    one order; in a training graph the wait is lowered as a mutation of the collective's output, the
+    chain is renamed onto it, and each collective then waits for the previous one's *wait*. The
+    returned order must keep the collectives in their original order (raise_comms schedules them by
+    it); if it does not, the passes' order with the dependencies in place is returned instead.
+    """
+    import torch._inductor.comms as comms
+    from torch._inductor.dependencies import WeakDep
+    from torch._inductor.utils import contains_collective, contains_wait
+
+    def run(nodes):
+        for name in COMM_REORDER_PASSES:
+            nodes = getattr(comms, name)(nodes)
+        return nodes
+
+    wait_bufs = {b for sn in snodes if contains_wait(sn) for b in sn.get_buffer_names()}
+    saved = {}
+    for sn in snodes:
+        if contains_collective(sn):
+            lifted = {d for d in sn.unmet_dependencies if isinstance(d, WeakDep) and d.name in wait_bufs}
+            if lifted:
+                saved[sn] = sn.unmet_dependencies
+                sn.unmet_dependencies = sn.unmet_dependencies - lifted
+    try:
+        order = _sink_after_waits(run(snodes))
+    finally:
+        for sn, deps in saved.items():
+            sn.unmet_dependencies = deps
+    if _collective_names(order) != _collective_names(snodes):
+        return run(snodes)
+    return order
 
 
 def enable_comm_reordering() -> list[str]:
-    """Turn on inductor's comm/compute reordering (process-wide) with the passes of
-    ``COMM_REORDER_PASSES`` this torch has; returns them (empty: none found, nothing changed)."""
+    """Turn on inductor's comm/compute reordering (process-wide) with :func:`unchained_reorder`;
+    returns the builtin passes it runs (empty: this torch lacks one, nothing changed)."""
     import torch._inductor.comms as comms
     import torch._inductor.config as inductor_config
 
-    passes = [name for name in COMM_REORDER_PASSES if callable(getattr(comms, name, None))]
-    if passes:
-        inductor_config.reorder_for_compute_comm_overlap = True
-        inductor_config.reorder_for_compute_comm_overlap_passes = passes
-    else:
-        print(f"warning: this torch's inductor has none of the reordering passes {COMM_REORDER_PASSES}; "
-              "chunked expert parallelism will not overlap its all-to-alls when compiled", file=sys.stderr)
-    return passes
+    missing = [name for name in COMM_REORDER_PASSES if not callable(getattr(comms, name, None))]
+    if missing:
+        print(f"warning: this torch's inductor lacks the reordering passes {missing}; chunked expert "
+              "parallelism will not overlap its all-to-alls when compiled", file=sys.stderr)
+        return []
+    inductor_config.reorder_for_compute_comm_overlap = True
+    inductor_config.reorder_for_compute_comm_overlap_passes = [unchained_reorder]
+    return list(COMM_REORDER_PASSES)
 
 
 def apply_compile(model: nn.Module, cfg: Compile, comm_reordering: bool = False) -> None:

@@ -35,10 +35,10 @@ dependency, not a host sync), so the dispatch of chunks 1..P-1 and the combine o
 while later chunks' GEMMs run. A compiled block is different: tracing puts each wait right after
 its collective, and inductor leaves it there unless its comm/compute reordering is on -- seen in
 the generated code of a CPU run: with inductor's defaults P > 1 overlaps nothing. So with P > 1
-and inductor the trainer turns that reordering on (``parallelisms/compile.py``, which records what
-then overlaps: the forward's combines and most of the backward's all-to-alls; the forward's
-dispatch of chunk i + 1 still waits before chunk i's experts). The backward's all-to-alls are
-funcol's autograd formula.
+and inductor the trainer turns that reordering on with its own pass (``parallelisms/compile.py``,
+which records what then overlaps: every chunk's dispatch is issued before the first chunk's experts,
+each chunk's combine travels under the next chunk's experts, and the backward mirrors it). The
+backward's all-to-alls are funcol's autograd formula.
 
 Every rank must run the same collectives in the same order, the backward's included, so a
 backend's output must depend on its input rows even when all of them are empty. ``grouped_mm`` and
