@@ -137,8 +137,9 @@ class Parallelism:
     expert_parallel_chunks: int = _field(1, "split each MoE layer's tokens into this many chunks so the all-to-all "
                                          "of one chunk overlaps the expert GEMMs of another (e.g. 2-4 with EP > 1; "
                                          "each chunk has its own capacity; ignored without EP). Overlaps in eager; "
-                                         "compiled with inductor, its comm reordering is turned on for it (partial "
-                                         "overlap: parallelisms/compile.py). Unmeasured on multi-GPU yet", ge=1)
+                                         "compiled with inductor, the trainer adds its own comm reordering pass (all "
+                                         "dispatches issued first, each combine under the next chunk's experts: "
+                                         "parallelisms/compile.py). Unmeasured on multi-GPU yet", ge=1)
 
 
 @dataclass
