@@ -61,8 +61,10 @@ def test_bad_arguments():
 def test_runs_end_to_end_on_cpu(tmp_path):
     """Two tiny runs (debug model, bf16 and TorchTitan's rowwise FP8 emulated on CPU) through the
     script: each logs every step, the report compares them."""
-    cpu = ("--training.device cpu --model.flavor debug --compile.enable false --moe.backend grouped_mm "
-           "--training.mixed_precision_param float32 --metrics.summary_start_step 1 --metrics.summary_end_step 3")
+    # --optimizer.implementation: on a GPU machine the script picks the triton AdamW, which needs CUDA.
+    cpu = ("--training.device cpu --optimizer.implementation foreach --model.flavor debug --compile.enable false "
+           "--moe.backend grouped_mm --training.mixed_precision_param float32 --metrics.summary_start_step 1 "
+           "--metrics.summary_end_step 3")
     rc = P.main(["--runs", "bf16,gmm_fp8", "--steps", "3", "--seq-len", "64", "--layers", "1",
                  "--out", str(tmp_path), "--ours-args", cpu])
     report = json.loads((tmp_path / "parity.json").read_text())

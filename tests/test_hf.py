@@ -199,9 +199,10 @@ def test_load_into_fsdp_with_expert_parallel(tmp_path):
     from components.config import parse_args
     from train import Trainer
 
+    # On CPU like the gloo workers (on a GPU machine the default device would put `want` on cuda).
     src = Trainer(parse_args(["--config", "train_configs/debug_model.toml", "--model.n_layers", "2",
-                              "--training.seq_len", "32", "--training.seed", "11", "--job.dump_folder",
-                              str(tmp_path / "src")]))
+                              "--training.seq_len", "32", "--training.seed", "11", "--training.device", "cpu",
+                              "--job.dump_folder", str(tmp_path / "src")]))
     save_hf_weights(src.model, tmp_path / "hf", dtype=torch.float32)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
