@@ -48,11 +48,28 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) -> torch.
     """
     if a.dtype == torch.bfloat16 and (a.is_cuda or (_CPU_HAS_GROUPED_MM and _aligned16(a, b))):
         return torch._grouped_mm(a, b, offs=offs_E)
+    if torch.compiler.is_compiling():
+        return _grouped_mm_dense(a, b, offs_E)
     ends = offs_E.tolist()
     starts = [0] + ends[:-1]
     if b.dim() == 2:
         return torch.stack([a[:, s:e] @ b[s:e] for s, e in zip(starts, ends)])
     return torch.cat([a[s:e] @ b[i] for i, (s, e) in enumerate(zip(starts, ends))])
+
+
+def _grouped_mm_dense(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """:func:`grouped_mm`'s fallback when traced: every group's product over all rows (or columns),
+    then a mask keeps each row's own group. E times the FLOPs, but no host read of the offsets:
+    slicing at data-dependent offsets traces, yet inductor cannot lower the backward's
+    slice_scatter on such sizes (GuardOnDataDependentSymNode; seen with EP on CPU in float32)."""
+    E = offs_E.shape[0]
+    idx = torch.arange(a.shape[0] if b.dim() == 3 else a.shape[1], device=a.device, dtype=offs_E.dtype)
+    # group of each row (column): the first e with idx < offs[e]; rows past offs[-1] belong to none.
+    group_N = torch.searchsorted(offs_E, idx, right=True)
+    mask_EN = (group_N.unsqueeze(0) == torch.arange(E, device=a.device).unsqueeze(1)).to(a.dtype)
+    if b.dim() == 2:  # (M, N) x (N, K) -> (E, M, K), the groups split N
+        return torch.einsum("mn,en,nk->emk", a, mask_EN, b)
+    return torch.einsum("en,enm->nm", mask_EN, torch.matmul(a.unsqueeze(0), b))
 
 
 def sort_slots_by_expert(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

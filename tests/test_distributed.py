@@ -162,6 +162,10 @@ LAYOUTS = {
     "ep2_chunks2_compile": (2, ["--parallelism.expert_parallel_degree", "2", "--parallelism.expert_capacity_factor",
                                 "2", "--parallelism.expert_parallel_chunks", "2", "--compile.enable", "--compile.backend",
                                 "aot_eager"]),
+    # The same with inductor: the trainer then schedules the all-to-alls with its own reorder pass
+    # (parallelisms/compile.unchained_reorder), which must not change what is computed.
+    "ep2_chunks2_inductor": (2, ["--parallelism.expert_parallel_degree", "2", "--parallelism.expert_capacity_factor",
+                                 "2", "--parallelism.expert_parallel_chunks", "2", "--compile.enable"]),
     # Activation checkpointing that keeps the attention core (and the experts) instead of recomputing them.
     "ep2_full_ac_keep_attention_compile": (2, ["--parallelism.expert_parallel_degree", "2",
                                                "--activation_checkpoint.mode", "full", "--activation_checkpoint.keep",
@@ -188,7 +192,12 @@ LAYOUTS = {
 def test_layout_matches_single_process(layout, reference, tmp_path):
     world, args = LAYOUTS[layout]
     got = spawn(world, args, reference["init"], str(tmp_path / "out.pt"))
-    if "mega" in args or "--training.loss_chunk_size" in args or layout in ("ep2_chunks_over_tokens",
+    if layout == "ep2_chunks2_inductor":
+        # Inductor's fused CPU kernels against the eager reference: the losses agree to 1e-5, and
+        # Adam's first steps turn rounding on near-zero gradients into up to ~lr/6 per weight (seen:
+        # 1 of 16384 wk entries off by 1.7e-4).
+        assert_same_training(got, reference[world], atol=5e-4)
+    elif "mega" in args or "--training.loss_chunk_size" in args or layout in ("ep2_chunks_over_tokens",
                                                                             "dp_shard2_x_ep2_fused_adamw",
                                                                             "ep2_triton_adamw"):
         # Another backend, the chunked loss, expert GEMMs on one row at a time (one-token EP
