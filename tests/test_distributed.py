@@ -197,13 +197,14 @@ def test_layout_matches_single_process(layout, reference, tmp_path):
         # Adam's first steps turn rounding on near-zero gradients into up to ~lr/6 per weight (seen:
         # 1 of 16384 wk entries off by 1.7e-4).
         assert_same_training(got, reference[world], atol=5e-4)
-    elif "mega" in args or "--training.loss_chunk_size" in args or layout in ("ep2_chunks_over_tokens",
-                                                                            "dp_shard2_x_ep2_fused_adamw",
-                                                                            "ep2_triton_adamw"):
-        # Another backend, the chunked loss, expert GEMMs on one row at a time (one-token EP
-        # chunks) or fused AdamW (vs the reference's foreach) round differently from the reference run; Adam's first steps amplify that on
-        # near-zero gradients (seen: 1 of 65536 weights off by 1.6e-5; one-token chunks: 2 of 16384
-        # by 3e-5).
+    elif ("mega" in args or "--training.loss_chunk_size" in args or "--compile.enable" in args
+          or layout in ("ep2_chunks_over_tokens", "dp_shard2_x_ep2_fused_adamw", "ep2_triton_adamw")):
+        # Another backend, the chunked loss, a compiled run (grouped_mm's float32 fallback traces as a
+        # dense masked product that sums in another order than the eager reference's loop; seen: 1
+        # of 16384 weights 1.5e-5 apart), expert GEMMs on one row at a time (one-token EP
+        # chunks) or fused AdamW (vs the reference's foreach) round differently from the reference
+        # run; Adam's first steps amplify that on near-zero gradients (seen: 1 of 65536 weights off
+        # by 1.6e-5; one-token chunks: 2 of 16384 by 3e-5).
         assert_same_training(got, reference[world], atol=1e-4)
     else:
         assert_same_training(got, reference[world])
