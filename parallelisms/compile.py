@@ -72,7 +72,7 @@ def _sink_after_waits(order: list, is_collective=None, is_wait=None) -> list:
             out.extend(before.get(i, []))
             out.append(sn)
     out.extend(before.get(len(order), []))
-    return out if len(out) == len(order) and _respects_dependencies(out) else order
+    return out if _respects_dependencies(out) else order
 
 
 def _respects_dependencies(order: list) -> bool:

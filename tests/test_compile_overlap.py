@@ -99,10 +99,14 @@ def test_inductor_reordering_overlaps_chunked_all_to_alls(inductor_config, gloo_
     assert _wait_follows_compute(codes[True]), "the reordering passes left every wait right after its all-to-all"
 
 
+def _expert_math(x, ids, w):
+    return torch.relu(x @ w) * (ids.view(-1, 1) >= 0)
+
+
 # A stand-in for the mega op: an opaque custom op with its own backward, as the trainer's graph has.
 @torch.library.custom_op("test_overlap::expert", mutates_args=())
 def _expert(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.relu(x @ w) * (ids.view(-1, 1) >= 0)
+    return _expert_math(x, ids, w)
 
 
 @_expert.register_fake
@@ -114,8 +118,7 @@ def _expert_backward(ctx, grad):
     x, ids, w = ctx.saved_tensors
     with torch.enable_grad():
         xx, ww = x.detach().requires_grad_(), w.detach().requires_grad_()
-        y = torch.relu(xx @ ww) * (ids.view(-1, 1) >= 0)
-        gx, gw = torch.autograd.grad(y, (xx, ww), grad)
+        gx, gw = torch.autograd.grad(_expert_math(xx, ids, ww), (xx, ww), grad)
     return gx, None, gw
 
 
