@@ -30,7 +30,7 @@ from components.profiling import StepProfiler
 from components.shadow_weights import attach_shadows_to_optimizer, enable_shadows
 from components.shadow_weights import grad_carriers as shadow_grad_carriers
 from components.tokenizer import TokenizerError, build_tokenizer
-from kernels import available_moe_backends, resolve_moe_backend
+from kernels.moe import available_moe_backends, resolve_moe_backend
 from models.moe.router import TokenChoiceTopKRouter, update_expert_bias
 from models.moe.weight_cache import (attach_caches_to_optimizer, cache_mode, enable_expert_weight_cache,
                                      expert_grad_carriers, invalidate_expert_weight_caches,
@@ -186,7 +186,7 @@ class Trainer:
         if mode is not None:
             pow2 = False
             if mode == "fp8_blockwise":
-                from kernels.mega_moe_fp8 import get_options
+                from kernels.moe.mega_fp8 import get_options
 
                 pow2 = get_options().pow2_scales
             enable_expert_weight_cache(self.model, mode, dtype, pow2)

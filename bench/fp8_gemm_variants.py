@@ -22,9 +22,9 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.fp8 import grouped_gemm as G
-from kernels.fp8 import quant as Q
-from kernels.mega_moe.common import tile_rows
-from kernels.mega_moe.routing import sort_by_expert, tile_table
+from kernels.fp8 import blockwise as Q
+from kernels.triton_utils import tile_rows
+from kernels.moe.routing import sort_by_expert, tile_table
 
 
 @triton.jit
@@ -106,7 +106,7 @@ def run(T=16384, top_k=8, E=128, shapes=((768, 2048), (2048, 1536))):
     for K, N in shapes:
         a = torch.randn(Nr, K, device=dev, dtype=torch.bfloat16)
         w = (torch.randn(E, N, K, device=dev) * 0.02).to(torch.bfloat16)
-        aq, as_ = Q.quantize_rowwise(a)
+        aq, as_ = Q.quantize_1x128(a)
         wq, ws = Q.quantize_weight(w)
         ref = None
         flops = 2 * Nr * N * K
@@ -186,7 +186,7 @@ def cpu_check(seed: int = 0, device: str = "cpu") -> dict:
     Nr = T * top_k
     a = torch.randn(Nr, K, device=device)
     w = torch.randn(E, N, K, device=device) * 0.02
-    aq, as_ = Q.quantize_rowwise(a)
+    aq, as_ = Q.quantize_1x128(a)
     wq, ws = Q.quantize_weight(w)
     adq, wdq = Q.dequantize_rowwise_ref(aq, as_), Q.dequantize_weight_ref(wq, ws)
     eid = torch.repeat_interleave(torch.arange(E, device=device), offs.diff().long())

@@ -18,10 +18,10 @@ import torch
 import triton
 
 from bench.timing import time_ms
-from kernels import get_moe_backend
+from kernels.moe import get_moe_backend
 from kernels.fp8 import grouped_gemm as G
-from kernels.fp8 import quant as Q
-from kernels.mega_moe.routing import sort_by_expert, tile_table
+from kernels.fp8 import blockwise as Q
+from kernels.moe.routing import sort_by_expert, tile_table
 
 SHAPES = {"30B-A3B": (2048, 768), "235B-A22B": (4096, 1536)}
 
@@ -51,7 +51,7 @@ def main(T: int = 16384, top_k: int = 8, E: int = 128) -> None:
             ms = _ms(fn)
             rows.append(f"{name:10s} {label:34s} {ms:8.3f} ms {flops / ms / 1e9:8.0f} TFLOP/s")
 
-        q("quantize_rowwise x (T,D)", lambda: Q.quantize_rowwise(x), T * D * 3)
+        q("quantize_1x128 x (T,D)", lambda: Q.quantize_1x128(x), T * D * 3)
         q("quantize_dual x (T,D)", lambda: Q.quantize_dual(x), T * D * 4)
         q("quantize_cols_grouped x gathered", lambda: Q.quantize_cols_grouped(x, offs, slots, top_k, tiles=tiles), N * D * 3)
         q("quantize_weight w1 (E,F,D)", lambda: Q.quantize_weight(w1), E * F * D * 3)
@@ -59,8 +59,8 @@ def main(T: int = 16384, top_k: int = 8, E: int = 128) -> None:
         # per weight writing both layouts, rounding to bf16 inside it; session 8: a bf16 cast, then that
         # pass; before Run 22, the casts, five quantizations, a byte transpose of w2 and a torch.cat of
         # w1's and w3's transposes (Run 22 profile: 13.5 ms). GB/s: bytes of the before-Run-22 path.
-        from kernels.mega_moe_fp8.backward import _transposed
-        from kernels.mega_moe_fp8.weights import QuantizedExpertWeights
+        from kernels.moe.mega_fp8.backward import _transposed
+        from kernels.moe.mega_fp8.weights import QuantizedExpertWeights
 
         masters = [w.float() for w in (w1, w3, w2)]
         cache = QuantizedExpertWeights.empty(E, F, D, dev)
@@ -77,7 +77,7 @@ def main(T: int = 16384, top_k: int = 8, E: int = 128) -> None:
         q("weight refresh, one pass rounding fp32", lambda: QuantizedExpertWeights.quantize(
             *masters, out=cache, round_bf16=True), 3 * E * F * D * 6)
         q("weight refresh, before Run 22", refresh_before, 3 * E * F * D * 6)
-        xq, xs = Q.quantize_rowwise(x)
+        xq, xs = Q.quantize_1x128(x)
         w1q, w1s = Q.quantize_weight(w1)
         w3q, w3s = Q.quantize_weight(w3)
         w2q, w2s = Q.quantize_weight(w2)
@@ -106,7 +106,7 @@ def _moe_inputs(T, D, F, E, top_k, device):
 
 def _with_bf16_wgrad(fn, quantized, *args):
     """The cached FP8 op with ``wgrad = "bf16"`` (the option is read at forward, kept for backward)."""
-    from kernels.mega_moe_fp8 import options
+    from kernels.moe.mega_fp8 import options
 
     with options(wgrad="bf16"):
         return fn(*args, quantized=quantized)
@@ -123,8 +123,8 @@ def time_moe_ops(T=16384, top_k=8, E=128, shapes=SHAPES, iters=20, device="cuda"
     ``timer(fn, iters)`` returns ms (default: CUDA events, :func:`bench.timing.time_ms`); the tests run
     this at a tiny size on CPU with a wall clock to exercise the code paths.
     """
-    from kernels.mega_moe_fp8 import backward as B
-    from kernels.mega_moe_fp8.weights import QuantizedExpertWeights
+    from kernels.moe.mega_fp8 import backward as B
+    from kernels.moe.mega_fp8.weights import QuantizedExpertWeights
 
     timer = timer or time_ms
     rows = []
@@ -185,7 +185,7 @@ def sweep(T: int = 16384, top_k: int = 8, E: int = 128, D: int = 2048, F: int = 
     # token t, choice k -> expert (t * top_k + k) % E: distinct per token, exactly N / E rows each.
     ids = (torch.arange(T, device=dev)[:, None] * top_k + torch.arange(top_k, device=dev)) % E
     slots, offs = sort_by_expert(ids, E)
-    xq, xs = Q.quantize_rowwise(x)
+    xq, xs = Q.quantize_1x128(x)
     w1q, w1s = Q.quantize_weight(w1)
     w3q, w3s = Q.quantize_weight(w3)
     w2q, w2s = Q.quantize_weight(w2)
@@ -221,10 +221,10 @@ def sweep(T: int = 16384, top_k: int = 8, E: int = 128, D: int = 2048, F: int = 
             aq, as_, w2q, w2s, offs, tiles=tiles, block_m=bm, block_n=bn, num_warps=warps,
             num_stages=stages, tma=tma), flops)
     # The backward's M-tiled FP8 kernels: dA' + SwiGLU backward (dh, its own kernel) and dX.
-    from kernels.mega_moe_fp8 import backward as B
+    from kernels.moe.mega_fp8 import backward as B
 
     dy = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
-    dyq, dys = Q.quantize_rowwise(dy)
+    dyq, dys = Q.quantize_1x128(dy)
     w2t_q, w2t_s = B._transposed(w2q), w2s.mT.contiguous()
     h, _, _ = G.fp8_gate_up_swiglu(xq, xs, w1q, w1s, w3q, w3s, slots, offs, top_k)
     s_TK = torch.rand(T, top_k, device=dev)

@@ -1,4 +1,4 @@
-"""The FP8 attention projections (``[quantize] linear = "fp8_rowwise"``, kernels/fp8_rowwise.py)
+"""The FP8 attention projections (``[quantize] linear = "fp8_rowwise"``, kernels/fp8/rowwise.py)
 against bf16, compiled by inductor as the trainer runs them, forward + backward, at the
 Qwen3-30B-A3B projection shapes; the custom-op implementation (training's) and the three modes of
 the autograd.Function it replaced, each checked against float64 and timed.
@@ -6,7 +6,7 @@ the autograd.Function it replaced, each checked against float64 and timed.
     python -m bench.fp8_linear                 # T 16384, the four projections of a 30B-A3B layer
 
 Run 17 found every mode of the autograd.Function wrong compiled on CUDA (zero tangent under
-AOTAutograd; kernels/fp8_rowwise.py says more); the custom ops replace it. The table says which are
+AOTAutograd; kernels/fp8/rowwise.py says more); the custom ops replace it. The table says which are
 right and what each costs against bf16.
 ``--device cpu --timer wall --tokens 64 --only wk`` runs it tiny on CPU (the tests).
 """
@@ -18,7 +18,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-import kernels.fp8_rowwise as R
+import kernels.fp8.rowwise as R
 from bench.timing import time_ms, wall_ms
 
 # (name, in features K, out features N) of a Qwen3-30B-A3B attention block: 32 query heads and 4

@@ -13,7 +13,7 @@ random softmax routing renormalised over the top-k):
    baseline), each eager and under ``torch.compile(fullgraph=True)``;
 3. a sweep of tile configs for each of the six mega GEMM kernels, timed alone, then the whole op
    again with the best config of each kernel, and the ``MegaMoEConfigs`` line to paste into
-   ``kernels/mega_moe/configs.py``.
+   ``kernels/moe/mega/configs.py``.
 
 TFLOP/s count 6*N*D*F for the forward and 18*N*D*F for forward+backward (N = T*K), router excluded.
 """
@@ -29,12 +29,12 @@ import torch
 import torch.nn.functional as F
 
 from bench.timing import time_ms
-from kernels import get_moe_backend
-from kernels.mega_moe import MegaMoEConfigs, TileConfig, get_configs, mega_moe, override_configs
-from kernels.mega_moe import backward as mb
-from kernels.mega_moe import forward as mf
-from kernels.mega_moe.routing import sort_by_expert, tile_table
-from kernels.moe_reference import moe_reference
+from kernels.moe import get_moe_backend
+from kernels.moe.mega import MegaMoEConfigs, TileConfig, get_configs, mega_moe, override_configs
+from kernels.moe.mega import backward as mb
+from kernels.moe.mega import forward as mf
+from kernels.moe.routing import sort_by_expert, tile_table
+from kernels.moe.reference import moe_reference
 
 SHAPES = {
     "30B": dict(T=16384, D=2048, F=768, E=128, K=8),

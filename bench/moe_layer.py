@@ -26,8 +26,8 @@ import os
 import torch
 
 from bench.timing import time_ms
-from kernels import get_moe_backend
-from kernels.moe_reference import moe_reference
+from kernels.moe import get_moe_backend
+from kernels.moe.reference import moe_reference
 
 SHAPES = {"30B": dict(D=2048, F=768, E=128, K=8), "235B": dict(D=4096, F=1536, E=128, K=8)}
 

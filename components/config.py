@@ -363,7 +363,7 @@ def _check_consistency(cfg: JobConfig, where: str) -> None:
         raise ConfigError(f"{where}: [activation_checkpoint] keep = {ac.keep!r} keeps ops of checkpointed blocks, but "
                           f"mode = \"none\" checkpoints nothing; set mode = \"full\" (or \"selective\"), or "
                           f"keep = \"none\"")
-    from kernels import available_moe_backends
+    from kernels.moe import available_moe_backends
 
     if cfg.moe.backend not in available_moe_backends():
         raise ConfigError(f"{where}: [moe] backend = {cfg.moe.backend!r} is not a registered MoE backend; "

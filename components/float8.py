@@ -1,5 +1,5 @@
 """FP8 dense linears (``[quantize] linear = "fp8_rowwise"``): the attention projections of every
-block run their three GEMMs in rowwise-scaled FP8 (``kernels/fp8_rowwise.py``).
+block run their three GEMMs in rowwise-scaled FP8 (``kernels/fp8/rowwise.py``).
 
 Converted: ``attention.wq``, ``wk``, ``wv``, ``wo``. Left in bf16: the embedding, the norms, the
 router gate (E outputs: small, and routing decisions are sensitive to it), the output head (its
@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from components.config import Quantize
-from kernels.fp8_rowwise import ALIGN, fp8_linear
+from kernels.fp8.rowwise import ALIGN, fp8_linear
 from models.qwen3.model import Attention
 
 # The projections that ``[quantize] linear`` converts, by attribute name on each attention module.

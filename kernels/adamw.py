@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.mega_moe.configs import interpreting
+from kernels.triton_utils import interpreting
 
 BLOCK = 4096  # elements per program: 16 per thread at 8 warps, four 16-byte accesses per tensor
 INTERPRETER_BLOCK = 1 << 16

@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from components.config import Quantize
 from components.float8 import Float8Linear, convert_to_float8
-from kernels.fp8_rowwise import E4M3_MAX, fp8_linear, quantize_rowwise, scaled_mm_rowwise
+from kernels.fp8.rowwise import E4M3_MAX, fp8_linear, quantize_rowwise, scaled_mm_rowwise
 from models.qwen3.args import Qwen3MoEArgs, get_model_args
 from models.qwen3.model import Qwen3MoE
 
@@ -340,7 +340,7 @@ def test_fp8_linear_benchmark_runs_every_implementation():
     """bench/fp8_linear.py at a tiny size on CPU: the custom ops and each mode of the old
     autograd.Function compile with inductor and give FP8-level errors here (on the GPU it is the
     check of Run 17's fault), and the module's settings are restored afterwards."""
-    import kernels.fp8_rowwise as R
+    import kernels.fp8.rowwise as R
     from bench import fp8_linear
 
     rows = fp8_linear.main(["--tokens", "64", "--iters", "1", "--device", "cpu", "--timer", "wall", "--only", "wk"])
@@ -364,7 +364,7 @@ def test_quantize_rowwise_fast_is_bitwise_the_reference(dtype, shape, transposed
     """The custom ops' quantizer (row amax + one Triton pass deriving the scales, any strides)
     against quantize_rowwise: the same bytes and scales, on contiguous and transposed views, partial
     tiles, an all-zero row, an outlier row and a row whose scale is exactly a power of two."""
-    from kernels.fp8_rowwise import quantize_rowwise_fast
+    from kernels.fp8.rowwise import quantize_rowwise_fast
     from tests.triton_interpreter import DEVICE
 
     seed = int(torch.randint(0, 2**30, ()))  # fresh inputs every run

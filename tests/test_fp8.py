@@ -20,13 +20,13 @@ import torch
 
 triton = pytest.importorskip("triton")
 from kernels.fp8 import grouped_gemm as G  # noqa: E402
-from kernels.fp8 import quant as Q  # noqa: E402
-from kernels.mega_moe.routing import sort_by_expert, tile_table  # noqa: E402
+from kernels.fp8 import blockwise as Q  # noqa: E402
+from kernels.moe.routing import sort_by_expert, tile_table  # noqa: E402
 
 from tests.triton_interpreter import DEVICE, skip_unless_runnable  # noqa: E402
 from tests.triton_interpreter import HAS_CUDA as _HAS_CUDA  # noqa: E402
 
-skip_unless_runnable(Q._rowwise_kernel, "kernels.fp8")
+skip_unless_runnable(Q._quantize_1x128_kernel, "kernels.fp8")
 
 
 def _gemm_tol(scale) -> dict:
@@ -113,7 +113,7 @@ def test_e4m3_cast_every_value_and_tie(sign):
     x = torch.zeros(rows, 128)
     x[:, 0] = 448.0
     x.view(-1)[torch.arange(n) // 127 * 128 + 1 + torch.arange(n) % 127] = probes
-    q, s = Q.quantize_rowwise(x.to(DEVICE))
+    q, s = Q.quantize_1x128(x.to(DEVICE))
     assert (s == 1.0).all()
     want = x.to(FP8)
     assert torch.equal(_bytes(q).cpu(), _bytes(want)), "e4m3 cast differs from torch's"
@@ -126,8 +126,8 @@ def test_quantize_rowwise_matches_reference(shape, dtype, pow2):
     seed = _seed()
     x = _input(*shape, dtype)
     msg = f"seed {seed} shape {shape} {dtype} pow2={pow2}"
-    got = Q.quantize_rowwise(x, pow2)
-    _assert_same_q(got, Q.quantize_rowwise_ref(x, pow2), msg)
+    got = Q.quantize_1x128(x, pow2)
+    _assert_same_q(got, Q.quantize_1x128_ref(x, pow2), msg)
     q, s = got
     assert q.shape == shape and s.shape == (shape[0], triton.cdiv(shape[1], 128)), msg
     if pow2:
@@ -144,7 +144,7 @@ def test_roundtrip_relative_error_gaussian(pow2):
     (e4m3 has 3 mantissa bits: rms relative rounding error ~ 2^-4 / sqrt(3) for uniform mantissas)."""
     seed = _seed()
     x = torch.randn(64, 384, device=DEVICE)
-    q, s = Q.quantize_rowwise(x, pow2)
+    q, s = Q.quantize_1x128(x, pow2)
     rel = ((Q.dequantize_rowwise_ref(q, s) - x).norm() / x.norm()).item()
     assert rel < 0.04, f"seed {seed} pow2={pow2}: relative error {rel}"
     qw, sw = Q.quantize_weight(x, pow2)
@@ -160,8 +160,8 @@ def test_outlier_rows_do_not_touch_other_rows():
     out_rows = torch.tensor([3, 150, 299])
     x2 = x.clone()
     x2[out_rows] *= 100
-    q, s = Q.quantize_rowwise(x)
-    q2, s2 = Q.quantize_rowwise(x2)
+    q, s = Q.quantize_1x128(x)
+    q2, s2 = Q.quantize_1x128(x2)
     keep = torch.ones(300, dtype=torch.bool)
     keep[out_rows] = False
     assert torch.equal(_bytes(q)[keep], _bytes(q2)[keep]) and torch.equal(s[keep], s2[keep]), f"seed {seed}"
@@ -178,7 +178,7 @@ def test_outlier_rows_do_not_touch_other_rows():
 @pytest.mark.parametrize("pow2", [False, True])
 def test_zeros(pow2):
     x = torch.zeros(5, 200, device=DEVICE)
-    q, s = Q.quantize_rowwise(x, pow2)
+    q, s = Q.quantize_1x128(x, pow2)
     assert (_bytes(q) == 0).all() and torch.isfinite(s).all() and (s > 0).all()
     assert (Q.dequantize_rowwise_ref(q, s) == 0).all()
     qw, sw = Q.quantize_weight(x, pow2)
@@ -193,7 +193,7 @@ def test_quantize_dual_matches_reference(shape, pow2):
     x = _input(*shape, torch.bfloat16)
     got = Q.quantize_dual(x, pow2)
     _assert_same_q(got, Q.quantize_dual_ref(x, pow2), f"seed {seed} shape {shape} pow2={pow2}")
-    _assert_same_q(got[2:], Q.quantize_rowwise(x.t().contiguous(), pow2), f"seed {seed}: column copy")
+    _assert_same_q(got[2:], Q.quantize_1x128(x.t().contiguous(), pow2), f"seed {seed}: column copy")
     qt, st = got[2:]
     deq = Q.dequantize_rowwise_ref(qt, st).t()
     ok, worst = _roundtrip_bound_ok(x, deq, st.repeat_interleave(128, 1)[:, : shape[0]].t())
@@ -235,8 +235,8 @@ def test_expert_weights_quantized_in_one_pass(E, F, D, pow2):
     buffers or new ones) and the backward's per-call transposed_weight / dx_weight: bitwise the
     layouts built from the torch reference quantize_weight_ref (q.mT, s.mT; [w1; w3]^T with zero columns between the halves
     when F % 128 != 0), incl. outlier rows."""
-    from kernels.mega_moe_fp8 import backward as B
-    from kernels.mega_moe_fp8.weights import QuantizedExpertWeights
+    from kernels.moe.mega_fp8 import backward as B
+    from kernels.moe.mega_fp8.weights import QuantizedExpertWeights
 
     seed = _seed()
     msg = f"seed {seed} E={E} F={F} D={D} pow2={pow2}"
@@ -328,7 +328,7 @@ def test_grouped_gemm_gathered(routing, D):
     w = torch.randn(E, N, D, device=DEVICE) * 0.05
     ids = _routing(T, K, E, kind)
     slots, offs = sort_by_expert(ids, E)
-    xq, xs = Q.quantize_rowwise(x)
+    xq, xs = Q.quantize_1x128(x)
     wq, ws = Q.quantize_weight(w)
     n = _covered(offs)
 
@@ -360,7 +360,7 @@ def test_grouped_gemm_sorted_rows_and_transposed_weight():
     slots, offs = sort_by_expert(_routing(T, K, E, "random"), E)
     a = torch.randn(T * K, F, device=DEVICE)
     w2 = torch.randn(E, D, F, device=DEVICE) * 0.05
-    aq, as_ = Q.quantize_rowwise(a, pow2_scales=True)
+    aq, as_ = Q.quantize_1x128(a, pow2_scales=True)
     wq, ws = Q.quantize_weight(w2, pow2_scales=True)
     out = G.fp8_grouped_gemm(aq, as_, wq, ws, offs, None, out_dtype=torch.float32)
     ref = G.fp8_grouped_gemm_ref(aq, as_, wq, ws, offs)
@@ -368,7 +368,7 @@ def test_grouped_gemm_sorted_rows_and_transposed_weight():
 
     # dgrad: dA = dY @ w2[e] uses w2[e]^T as the (N, K) operand: q.mT, s.mT.
     dy = torch.randn(T * K, D, device=DEVICE)
-    dyq, dys = Q.quantize_rowwise(dy)
+    dyq, dys = Q.quantize_1x128(dy)
     wqT, wsT = wq.mT.contiguous(), ws.mT.contiguous()
     da = G.fp8_grouped_gemm(dyq, dys, wqT, wsT, offs, None, out_dtype=torch.float32)
     exact = torch.cat([dy[offs[e] : offs[e + 1]].double() @ w2[e].double() for e in range(E)])
@@ -388,7 +388,7 @@ def test_grouped_gemm_combine_epilogue(routing):
     slots, offs = sort_by_expert(ids, E)
     weights = torch.rand(T * K, device=DEVICE)
     weights[ids.view(-1) < 0] = float("nan")
-    aq, as_ = Q.quantize_rowwise(torch.randn(T * K, F, device=DEVICE))
+    aq, as_ = Q.quantize_1x128(torch.randn(T * K, F, device=DEVICE))
     wq, ws = Q.quantize_weight(torch.randn(E, D, F, device=DEVICE) * 0.05)
     valid = ids.view(-1) >= 0
     ref = G.fp8_grouped_gemm_ref(aq, as_, wq, ws, offs, out_slot_N=slots, slot_weights_N=weights)
@@ -406,7 +406,7 @@ def test_grouped_gemm_combine_epilogue(routing):
 
 @pytest.mark.parametrize("routing", ROUTINGS[:3] + ROUTINGS[4:], ids=lambda r: f"T{r[0]}k{r[1]}E{r[2]}-{r[3]}")
 def test_gate_up_swiglu(routing):
-    """w1/w3 GEMM with the SwiGLU epilogue; A written already quantized == quantize_rowwise(A)."""
+    """w1/w3 GEMM with the SwiGLU epilogue; A written already quantized == quantize_1x128(A)."""
     seed = _seed()
     T, K, E, kind = routing
     D, F = 136, 160
@@ -415,7 +415,7 @@ def test_gate_up_swiglu(routing):
     w1 = torch.randn(E, F, D, device=DEVICE) * 0.05
     w3 = torch.randn(E, F, D, device=DEVICE) * 0.05
     slots, offs = sort_by_expert(_routing(T, K, E, kind), E)
-    xq, xs = Q.quantize_rowwise(x)
+    xq, xs = Q.quantize_1x128(x)
     w1q, w1s = Q.quantize_weight(w1)
     w3q, w3s = Q.quantize_weight(w3)
     n = _covered(offs)
@@ -434,10 +434,10 @@ def test_gate_up_swiglu(routing):
     torch.testing.assert_close(a[:n].double(), a_own, rtol=1e-4, atol=1e-5 * a_own.abs().max().clamp(min=1e-30), msg=_m(msg))
     if not _HAS_CUDA:  # fp32 accumulation: the reference's own A agrees too
         torch.testing.assert_close(a[:n].double(), a_ref[:n], rtol=1e-4, atol=1e-5 * a_ref[:n].abs().max(), msg=_m(msg))
-    _assert_same_q((aq[:n], as_[:n]), Q.quantize_rowwise(a[:n].contiguous()), f"{msg}: fused A quantization")
+    _assert_same_q((aq[:n], as_[:n]), Q.quantize_1x128(a[:n].contiguous()), f"{msg}: fused A quantization")
     h16, a16, (aq16, as16) = G.fp8_gate_up_swiglu(xq, xs, w1q, w1s, w3q, w3s, slots, offs, K, quantize_a=True)
     assert torch.equal(h16[:n], h[:n].to(torch.bfloat16)), f"{msg}: bf16 H is not the rounded fp32 one"
-    _assert_same_q((aq16[:n], as16[:n]), Q.quantize_rowwise(a16[:n].contiguous()), f"{msg}: fused A (bf16)")
+    _assert_same_q((aq16[:n], as16[:n]), Q.quantize_1x128(a16[:n].contiguous()), f"{msg}: fused A (bf16)")
     # store_a=False: A only in its quantized copy (what the FP8 MoE forward uses), same bytes.
     h_only, no_a, (aq_only, as_only) = G.fp8_gate_up_swiglu(
         xq, xs, w1q, w1s, w3q, w3s, slots, offs, K, quantize_a=True, store_a=False
@@ -458,7 +458,7 @@ def test_scalar_and_vector_weight_scales_agree(routing):
     msg = f"seed {seed} {routing}"
     ids = _routing(T, K, E, kind)
     slots, offs = sort_by_expert(ids, E)
-    xq, xs = Q.quantize_rowwise(_input(T, D, torch.float32, zeros=False))
+    xq, xs = Q.quantize_1x128(_input(T, D, torch.float32, zeros=False))
     wq, ws = Q.quantize_weight(torch.randn(E, F, D, device=DEVICE) * 0.05)
     valid = ids.view(-1) >= 0
     weights = torch.rand(T * K, device=DEVICE)
@@ -548,12 +548,12 @@ def test_cols_grouped_and_wgrad(routing, pow2):
 def test_clear_errors():
     x = torch.randn(4, 130, device=DEVICE)
     with pytest.raises(TypeError, match="bf16/fp16/fp32"):
-        Q.quantize_rowwise(x.to(torch.int32))
+        Q.quantize_1x128(x.to(torch.int32))
     with pytest.raises(ValueError, match="contiguous"):
-        Q.quantize_rowwise(x.t())
+        Q.quantize_1x128(x.t())
     with pytest.raises(ValueError, match="2-D"):
-        Q.quantize_rowwise(x[None])
-    xq, xs = Q.quantize_rowwise(x)
+        Q.quantize_1x128(x[None])
+    xq, xs = Q.quantize_1x128(x)
     wq, ws = Q.quantize_weight(torch.randn(2, 8, 130, device=DEVICE))
     offs = torch.tensor([0, 2, 4], dtype=torch.int32, device=DEVICE)
     with pytest.raises(TypeError, match="float8_e4m3fn"):
@@ -594,14 +594,14 @@ def test_gpu_gate_up_at_30b_shape():
     w1 = (torch.randn(E, F, D, device="cuda") * 0.02).to(torch.bfloat16)
     w3 = (torch.randn(E, F, D, device="cuda") * 0.02).to(torch.bfloat16)
     slots, offs = sort_by_expert(_routing(T, K, E, "random"), E)
-    xq, xs = Q.quantize_rowwise(x)
+    xq, xs = Q.quantize_1x128(x)
     w1q, w1s = Q.quantize_weight(w1)
     w3q, w3s = Q.quantize_weight(w3)
     h, a, (aq, as_) = G.fp8_gate_up_swiglu(xq, xs, w1q, w1s, w3q, w3s, slots, offs, K, quantize_a=True)
     g, _, _ = G.fp8_gate_up_swiglu_ref(xq, xs, w1q, w1s, w3q, w3s, slots, offs, K)
     rel = ((h[:, :F].double() - g).norm() / g.norm()).item()
     assert rel < 4e-3, f"seed {seed}: vs dequantized reference {rel}"
-    _assert_same_q((aq, as_), Q.quantize_rowwise(a), f"seed {seed}: fused A quantization")
+    _assert_same_q((aq, as_), Q.quantize_1x128(a), f"seed {seed}: fused A quantization")
 
 
 def test_gemm_variants_bench_kernel():
@@ -628,7 +628,7 @@ def test_tma_loads_are_bitwise_the_pointer_loads(routing):
     slots, offs = sort_by_expert(ids, E)
     valid = ids.view(-1) >= 0
     n = _covered(offs)
-    xq, xs = Q.quantize_rowwise(_input(T, D, torch.float32, zeros=False))
+    xq, xs = Q.quantize_1x128(_input(T, D, torch.float32, zeros=False))
     w1q, w1s = Q.quantize_weight(torch.randn(E, F, D, device=DEVICE) * 0.05)
     w3q, w3s = Q.quantize_weight(torch.randn(E, F, D, device=DEVICE) * 0.05)
     gathered = [G.fp8_grouped_gemm(xq, xs, w1q, w1s, offs, slots, K, out_dtype=torch.float32, out_slot_N=slots,
@@ -637,7 +637,7 @@ def test_tma_loads_are_bitwise_the_pointer_loads(routing):
     want = G.fp8_grouped_gemm_ref(xq, xs, w1q, w1s, offs, slots, K, out_slot_N=slots)[valid]
     torch.testing.assert_close(gathered[1][valid].double(), want, **_gemm_tol(want.abs().max()), msg=_m(msg))
     a_sorted = _input(T * K, F, torch.float32, zeros=False)
-    aq, as_ = Q.quantize_rowwise(a_sorted)
+    aq, as_ = Q.quantize_1x128(a_sorted)
     w2q, w2s = Q.quantize_weight(torch.randn(E, D, F, device=DEVICE) * 0.05)
     down = [G.fp8_grouped_gemm(aq, as_, w2q, w2s, offs, out_dtype=torch.float32, tma=t) for t in (False, True)]
     assert torch.equal(down[0][:n], down[1][:n]), f"{msg}: sorted-row GEMM"

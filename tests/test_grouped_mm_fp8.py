@@ -4,7 +4,7 @@ On CPU the backend's ``torch._scaled_grouped_mm`` is emulated (dequantize exactl
 GEMM); the quantization is the code the GPU runs. Two oracles:
 
 - the same FP8 method written expert by expert with the dense rowwise FP8 linear
-  (``kernels.fp8_rowwise``: ``torch._scaled_mm`` on CUDA, its exact emulation on CPU): each expert's tokens are one group, quantized
+  (``kernels.fp8.rowwise``: ``torch._scaled_mm`` on CUDA, its exact emulation on CPU): each expert's tokens are one group, quantized
   along the same dims, so only accumulation order and bf16 roundings differ: < 1% relative;
 - the float64 reference MoE: FP8 error. One FP8 GEMM is ~4% off (see test_float8_linear.py);
   an expert chains two (x -> SwiGLU hidden -> out), so outputs and gradients land at ~6-7%
@@ -24,11 +24,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels.fp8_rowwise import fp8_linear, quantize_rowwise
-from kernels.grouped_mm_fp8 import (emulated_scaled_grouped_mm, moe_grouped_mm_fp8, quantize_cols_grouped,
+import kernels.moe
+from kernels.fp8.rowwise import fp8_linear, quantize_rowwise
+from kernels.moe.grouped_mm_fp8 import (emulated_scaled_grouped_mm, moe_grouped_mm_fp8, quantize_cols_grouped,
                                     route_by_expert_aligned, scaled_grouped_mm)
-from kernels.moe_reference import moe_reference
+from kernels.moe.reference import moe_reference
 from tests.test_float8_linear import short_run_losses
 from tests.test_moe_backends import CASES as MOE_CASES
 from tests.test_moe_backends import make_inputs, run_with_grads

@@ -1,4 +1,4 @@
-"""Tests of the ``mega`` MoE backend (kernels/mega_moe) against the plain-PyTorch oracle.
+"""Tests of the ``mega`` MoE backend (kernels/moe/mega) against the plain-PyTorch oracle.
 
 Without a GPU the Triton kernels run on CPU tensors through the Triton interpreter, in float32 at
 tiny shapes (D 32/40, F 48: partial tiles everywhere). With a GPU the same checks run in bfloat16 at
@@ -11,17 +11,17 @@ import os
 import pytest
 import torch
 
-from kernels import get_moe_backend
-from kernels.moe_reference import moe_reference
+from kernels.moe import get_moe_backend
+from kernels.moe.reference import moe_reference
 
 triton = pytest.importorskip("triton")
-from kernels.mega_moe import get_configs, mega_moe, override_configs  # noqa: E402
-from kernels.mega_moe import forward as _fwd_module  # noqa: E402
-from kernels.mega_moe.routing import max_tiles, num_real_tiles, sort_by_expert, tile_table  # noqa: E402
+from kernels.moe.mega import get_configs, mega_moe, override_configs  # noqa: E402
+from kernels.moe.mega import forward as _fwd_module  # noqa: E402
+from kernels.moe.routing import max_tiles, num_real_tiles, sort_by_expert, tile_table  # noqa: E402
 from tests.triton_interpreter import DEVICE, skip_unless_runnable  # noqa: E402
 from tests.triton_interpreter import HAS_CUDA as _HAS_CUDA  # noqa: E402
 
-skip_unless_runnable(_fwd_module._gate_up_kernel, "kernels.mega_moe")
+skip_unless_runnable(_fwd_module._gate_up_kernel, "kernels.moe.mega")
 
 # triton 3.6's interpreter converts 1-element arrays to scalars, which numpy deprecates.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")

@@ -1,4 +1,4 @@
-"""Tests of the ``mega_fp8`` MoE backend (kernels/mega_moe_fp8): the whole routed-expert MoE in
+"""Tests of the ``mega_fp8`` MoE backend (kernels/moe/mega_fp8): the whole routed-expert MoE in
 block-scaled FP8, forward and backward.
 
 Without a GPU the Triton kernels run on CPU tensors through the Triton interpreter (bf16, small
@@ -11,7 +11,7 @@ shapes); with one, the same tests run on it, plus one at the Qwen3-30B expert sh
   A, w2; dx: dy, w2, dH, w1/w3), which measures 5.5-7% at these shapes. The routing-weight
   gradient gets ``DS_BOUND`` = 12%: it is only T*K scalars, each an inner product over F, so its
   norm ratio is a noisy estimate (3.8-10% seen over seeds at T*K = 33).
-- tight, against ``kernels/mega_moe_fp8/reference.py``: the same quantized pipeline with float64
+- tight, against ``kernels/moe/mega_fp8/reference.py``: the same quantized pipeline with float64
   GEMMs, fed the op's own saved H and routing metadata. The kernels quantize bit-identically, so
   what differs is fp32 accumulation order and the final bf16 roundings (and, under the interpreter,
   its fp32 -> bf16 cast in the shared ``sum_over_k`` and bf16 wgrad kernels, which truncates):
@@ -29,19 +29,19 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
-from kernels import get_moe_backend, resolve_moe_backend  # noqa: E402
-from kernels.fp8 import quant as Q  # noqa: E402
+from kernels.moe import get_moe_backend, resolve_moe_backend  # noqa: E402
+from kernels.fp8 import blockwise as Q  # noqa: E402
 from kernels.fp8 import grouped_gemm as G  # noqa: E402
-from kernels.mega_moe_fp8 import MegaFP8Options, mega_moe_fp8, options  # noqa: E402
-from kernels.mega_moe_fp8 import backward as B  # noqa: E402
-from kernels.mega_moe.routing import sort_by_expert  # noqa: E402
-from kernels.mega_moe_fp8.reference import mega_moe_fp8_backward_ref, mega_moe_fp8_forward_ref  # noqa: E402
-from kernels.moe_reference import moe_reference  # noqa: E402
+from kernels.moe.mega_fp8 import MegaFP8Options, mega_moe_fp8, options  # noqa: E402
+from kernels.moe.mega_fp8 import backward as B  # noqa: E402
+from kernels.moe.routing import sort_by_expert  # noqa: E402
+from kernels.moe.mega_fp8.reference import mega_moe_fp8_backward_ref, mega_moe_fp8_forward_ref  # noqa: E402
+from kernels.moe.reference import moe_reference  # noqa: E402
 
 from tests.triton_interpreter import DEVICE, skip_unless_runnable  # noqa: E402
 from tests.triton_interpreter import HAS_CUDA as _HAS_CUDA  # noqa: E402
 
-skip_unless_runnable(B._fp8_dh_kernel, "kernels.mega_moe_fp8")
+skip_unless_runnable(B._fp8_dh_kernel, "kernels.moe.mega_fp8")
 BF16 = torch.bfloat16
 FP8_BOUND = 0.08
 DS_BOUND = 0.12
@@ -189,16 +189,16 @@ def _check(T, K, E, D, F, kind, outliers=False, wgrad="fp8", pow2=False, dh_quan
 
 
 def _check_dh_quantization(dy, w2, h, s, slots, offs, msg):
-    """The dH epilogue's e4m3 copy == quantize_rowwise of each stored half, bit for bit, with zero
+    """The dH epilogue's e4m3 copy == quantize_1x128 of each stored half, bit for bit, with zero
     padding between the halves when F is not a multiple of 128."""
     F = h.shape[1] // 2
     FP = triton.cdiv(F, 128) * 128
-    dy_q, dy_s = Q.quantize_rowwise(dy)
+    dy_q, dy_s = Q.quantize_1x128(dy)
     w2_q, w2_s = Q.quantize_weight(w2)
     dh, (dh_q, dh_s), _, _ = B.dh_swiglu(dy_q, dy_s, B._transposed(w2_q), w2_s.mT.contiguous(), h, s, slots, offs)
     n = int(offs[-1])
     for half, col in ((dh[:n, :F], 0), (dh[:n, F:], FP)):
-        q, sc = Q.quantize_rowwise(half.contiguous())
+        q, sc = Q.quantize_1x128(half.contiguous())
         assert torch.equal(dh_q[:n, col : col + F].view(torch.uint8), q.view(torch.uint8)), f"dH e4m3; {msg}"
         assert torch.equal(dh_s[:n, col // 128 : (col + FP) // 128], sc), f"dH scales; {msg}"
         assert (dh_q[:n, col + F : col + FP].view(torch.uint8) == 0).all(), f"dH padding not zero; {msg}"
@@ -246,7 +246,7 @@ def _dh_args(T, K, E, D, F, kind):
     """(ids, offsets, the arguments of B.dh_swiglu) for random dy, w2, H and routing ``kind``."""
     x, ids, s, w1, w3, w2, dy = _inputs(T, K, E, D, F, kind)
     slots, offs = sort_by_expert(ids, E)
-    dy_q, dy_s = Q.quantize_rowwise(dy)
+    dy_q, dy_s = Q.quantize_1x128(dy)
     w2_q, w2_s = Q.quantize_weight(w2)
     h = torch.randn(T * K, 2 * F, device=DEVICE).to(BF16)
     return ids, offs, (dy_q, dy_s, B._transposed(w2_q), w2_s.mT.contiguous(), h, s, slots, offs)
@@ -298,7 +298,7 @@ def test_options():
     assert MegaFP8Options() == MegaFP8Options(wgrad="fp8", pow2_scales=False)
     with options(wgrad="bf16") as opts:
         assert opts.wgrad == "bf16"
-    assert mega_moe_fp8.__module__ == "kernels.mega_moe_fp8.op"
+    assert mega_moe_fp8.__module__ == "kernels.moe.mega_fp8.op"
     with pytest.raises(ValueError, match="wgrad must be one of"):
         MegaFP8Options(wgrad="fp16")
 
@@ -373,7 +373,7 @@ def test_bench_code_paths():
         fn()
         return (time.perf_counter() - start) * 1e3
 
-    from kernels.mega_moe_fp8 import backward as B_
+    from kernels.moe.mega_fp8 import backward as B_
 
     default = (G.USE_TMA, B_.DH_SPLIT, G.GATE_UP_PREFETCH)
     rows = fp8_kernels.time_moe_ops(T=8, top_k=2, E=2, shapes={"tiny": (128, 128)}, iters=1,

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-import kernels
-from kernels.moe_reference import moe_reference
+import kernels.moe
+from kernels.moe.reference import moe_reference
 
 
 def routing(kind: str, T: int, E: int, K: int, gen: torch.Generator) -> torch.Tensor:
@@ -89,7 +89,7 @@ def test_reference_matches_dense_formula():
 
 def test_grouped_mm_cpu_fallback_loop(monkeypatch):
     """The per-expert loop that stands in where torch has no CPU _grouped_mm kernel."""
-    import kernels.grouped_mm as gm
+    import kernels.moe.grouped_mm as gm
 
     monkeypatch.setattr(gm, "_CPU_HAS_GROUPED_MM", False)
     x, ids, w, w1, w3, w2 = make_inputs(20, 16, 24, 6, 2, "one_expert_empty")

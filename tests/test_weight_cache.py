@@ -1,5 +1,5 @@
 """The per-optimizer-step expert weight cache (models/moe/weight_cache.py and
-kernels/mega_moe_fp8/weights.py) against the per-call conversion it replaces.
+kernels/moe/mega_fp8/weights.py) against the per-call conversion it replaces.
 
 The cache must change nothing but speed: the bf16 copies are the same casts, the e4m3 copies the
 same quantization, so the op-level checks are bitwise; only the FP8 weight gradients, written in
@@ -15,8 +15,8 @@ from models.moe.weight_cache import CACHE_MODES, ExpertWeightCache, cache_mode
 from train import Trainer
 
 triton = pytest.importorskip("triton")
-from kernels.mega_moe_fp8 import mega_moe_fp8, options  # noqa: E402
-from kernels.mega_moe_fp8.weights import QuantizedExpertWeights  # noqa: E402
+from kernels.moe.mega_fp8 import mega_moe_fp8, options  # noqa: E402
+from kernels.moe.mega_fp8.weights import QuantizedExpertWeights  # noqa: E402
 
 from tests.test_mega_moe_fp8 import _inputs, _seed  # noqa: E402
 

@@ -1,6 +1,6 @@
 """FP8 (e4m3, block-scaled) grouped GEMMs over the expert-sorted rows of the MoE, with references.
 
-Operands come from :mod:`kernels.fp8.quant`: A in 1 x 128 tiles along K, B (expert weights) in
+Operands come from :mod:`kernels.fp8.blockwise`: A in 1 x 128 tiles along K, B (expert weights) in
 128 x 128 blocks, the wgrad operands in 128 x 1 tiles along the token dim. The K loop steps one
 scale block (128) at a time and applies the scales to the fp32 accumulator per step::
 
@@ -11,7 +11,7 @@ DeepSeek-V3 prescribes: the FP8 tensor cores accumulate with ~14 mantissa bits, 
 128-long partial into fp32 registers bounds that error (Triton lowers each 128-K dot to a few
 wgmma steps).
 
-The schedule is the static tile table of :mod:`kernels.mega_moe.routing` (no host sync): a 1-D grid
+The schedule is the static tile table of :mod:`kernels.moe.routing` (no host sync): a 1-D grid
 of ``max_tiles * n_tiles`` programs, program -> (M-tile, N-tile), N-tile fastest; surplus tiles exit.
 
 Ops:
@@ -21,7 +21,7 @@ Ops:
                              optionally stored to row slot(r) and scaled by a per-slot weight (the
                              down GEMM's combine epilogue, the dX GEMM's scatter).
 - :func:`fp8_gate_up_swiglu` the gate/up GEMM with w1 and w3 and the SwiGLU epilogue of
-                             ``kernels/mega_moe/forward.py``; optionally writes A quantized (1 x 128)
+                             ``kernels/moe/mega/forward.py``; optionally writes A quantized (1 x 128)
                              for the down GEMM.
 - :func:`fp8_wgrad`          dW[e] = dY_e^T @ X_e over each expert's rows (K-grouped), operands
                              quantized along the token dim by :func:`quant.quantize_cols_grouped`
@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8.quant import (
+from kernels.fp8.blockwise import (
     FP8,
     TILE,
     dequantize_rowwise_ref,
@@ -45,8 +45,8 @@ from kernels.fp8.quant import (
     scale_from_amax,
     to_e4m3_bits,
 )
-from kernels.mega_moe.common import cast_out, expert_tile, tile_rows
-from kernels.mega_moe.routing import max_tiles, tile_table
+from kernels.triton_utils import cast_out, expert_tile, tile_rows
+from kernels.moe.routing import max_tiles, tile_table
 
 
 def _block_sizes(block_m: int | None, block_n: int | None) -> tuple[int, int]:
@@ -337,7 +337,7 @@ def _fp8_gate_up_kernel(
     if QUANT_A:
         # BLOCK_N == 128: this tile's columns are exactly one 1 x 128 scale tile of A, so the down
         # GEMM's operand is produced here without another pass over A. Quantized from the stored
-        # (rounded) A, so it equals quantize_rowwise(A) bit for bit.
+        # (rounded) A, so it equals quantize_1x128(A) bit for bit.
         af = tl.where(nmask[None, :], act.to(tl.float32), 0.0)
         s = scale_from_amax(tl.max(tl.abs(af), axis=1), POW2)
         q = to_e4m3_bits(quantize_tile(af, s[:, None]), SOFT)
@@ -401,13 +401,13 @@ def fp8_grouped_gemm(
     Args:
         a_q: (T, K) e4m3 token rows (with ``sorted_slot_N``: row r reads token
             ``sorted_slot_N[r] // top_k``) or (Nr, K) e4m3 rows already in expert-sorted order.
-        a_s: (a_q.shape[0], ceil(K/128)) fp32, 1 x 128 scales (:func:`quant.quantize_rowwise`).
+        a_s: (a_q.shape[0], ceil(K/128)) fp32, 1 x 128 scales (:func:`quant.quantize_1x128`).
         b_q: (E, N, K) e4m3 per-expert weights, K contiguous (pass a dgrad weight as a
             contiguous copy of ``q.mT``: the bytes need no requantization).
         b_s: (E, ceil(N/128), ceil(K/128)) fp32 128 x 128 block scales (:func:`quant.quantize_weight`).
-        offsets_E1: (E+1,) int32 expert row offsets (:func:`kernels.mega_moe.routing.sort_by_expert`).
+        offsets_E1: (E+1,) int32 expert row offsets (:func:`kernels.moe.routing.sort_by_expert`).
         sorted_slot_N: (Nr,) int32 or None (no gather).
-        tiles: optional tile table for ``block_m`` (:func:`kernels.mega_moe.routing.tile_table`).
+        tiles: optional tile table for ``block_m`` (:func:`kernels.moe.routing.tile_table`).
         out_slot_N: (Nr,) int32 or None: row r is stored at output row ``out_slot_N[r]`` instead
             of r (the MoE combine: expert-sorted row -> its (token, k) slot).
         slot_weights_N: (Nr,) fp32 or None (needs ``out_slot_N``): output row j is scaled by

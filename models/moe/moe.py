@@ -1,7 +1,7 @@
 """The MoE block of Qwen3: router -> routed experts (a swappable backend) -> combined output.
 
 Dispatch (grouping the (token, k) slots by expert), the expert SwiGLU GEMMs and the weighted
-combine all happen inside the backend chosen by ``[moe] backend`` (see ``kernels/__init__.py``):
+combine all happen inside the backend chosen by ``[moe] backend`` (see ``kernels/moe/__init__.py``):
 ``torch`` (the reference loop), ``grouped_mm`` (TorchTitan's method) or ``mega`` (fused Triton).
 Qwen3 has no shared experts.
 """
@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn as nn
 
-from kernels import get_moe_backend
+from kernels.moe import get_moe_backend
 from models.moe.router import TokenChoiceTopKRouter
 from models.moe.weight_cache import ExpertWeightCache
 

@@ -39,7 +39,7 @@ one-GPU proxies. With accumulation over micro-batches the sum would be bf16, so 
 float32 gradients then.
 
 Modes: ``"bf16"`` caches the compute-dtype copies (any backend); ``"fp8_blockwise"`` caches the
-e4m3 copies of ``kernels/mega_moe_fp8/weights.py`` (backend ``mega_fp8``). Memory: one bf16 copy
+e4m3 copies of ``kernels/moe/mega_fp8/weights.py`` (backend ``mega_fp8``). Memory: one bf16 copy
 of this rank's expert weights (1.2 GB per layer at the 30B shape), or the same in e4m3 (two
 layouts of one byte each); ``[moe] cache_expert_weights = false`` turns the cache off.
 """
@@ -87,7 +87,7 @@ class ExpertWeightCache(nn.Module):
         if mode == "bf16":
             self._names: tuple[str, ...] = ("w1", "w3", "w2")
         else:
-            from kernels.mega_moe_fp8.weights import TENSOR_FIELDS
+            from kernels.moe.mega_fp8.weights import TENSOR_FIELDS
 
             self._names = TENSOR_FIELDS
         # The buffers are the only copy; refresh() overwrites them in place (a compiled graph that
@@ -127,7 +127,7 @@ class ExpertWeightCache(nn.Module):
         """The e4m3 copies of (w1, w3, w2) as the op makes them from their compute-dtype values.
         float32 masters with a bf16 compute dtype are rounded inside the quantization pass (no cast
         pass over the weights: ~6 ms per step per layer at the 235B shape, Run 23)."""
-        from kernels.mega_moe_fp8.weights import QuantizedExpertWeights
+        from kernels.moe.mega_fp8.weights import QuantizedExpertWeights
 
         ws = (w1, w3, w2)
         fused = (FUSED_BF16_ROUNDING and self.dtype == torch.bfloat16
@@ -139,7 +139,7 @@ class ExpertWeightCache(nn.Module):
     @property
     def quantized(self):
         """The e4m3 copies (fp8 mode) as the op takes them: views of the buffers, not a second copy."""
-        from kernels.mega_moe_fp8.weights import QuantizedExpertWeights
+        from kernels.moe.mega_fp8.weights import QuantizedExpertWeights
 
         return QuantizedExpertWeights.from_tensors([getattr(self, n) for n in self._names], self.pow2_scales)
 

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 from typing import Iterator
 
 import torch
+
+from kernels.triton_utils import interpreting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,11 +115,6 @@ _INTERPRET_DEFAULT = MegaMoEConfigs(
 )
 
 _OVERRIDE: MegaMoEConfigs | None = None
-
-
-def interpreting() -> bool:
-    """True when Triton kernels run on CPU tensors through the interpreter (tests on CPU)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def get_configs(D: int, F: int, E: int, dtype: torch.dtype = torch.bfloat16) -> MegaMoEConfigs:

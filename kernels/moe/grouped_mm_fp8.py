@@ -11,7 +11,7 @@ and runs forward and backward as rowwise-scaled e4m3 ``torch._scaled_grouped_mm`
              (expert, column): ``_scaled_grouped_mm`` with both operands 2D and the groups
              splitting the reduction dim
 
-Scales and rounding as in :mod:`kernels.fp8_rowwise` (power-of-two scales, e4m3 everywhere,
+Scales and rounding as in :mod:`kernels.fp8.rowwise` (power-of-two scales, e4m3 everywhere,
 fast accumulation in all three GEMMs as torchao does here). Saved for backward: the bf16 inputs.
 
 Dispatch differs from ``grouped_mm`` the way TorchTitan's FP8 path differs from its bf16 one:
@@ -34,9 +34,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import register_moe_backend
-from kernels.fp8_rowwise import ALIGN, E4M3, E4M3_MAX, quantize_rowwise, scale_from_amax
-from kernels.grouped_mm import combine, grouped_mm, sort_slots_by_expert
+from kernels.moe import register_moe_backend
+from kernels.fp8.rowwise import ALIGN, E4M3, E4M3_MAX, quantize_rowwise, scale_from_amax
+from kernels.moe.grouped_mm import combine, grouped_mm, sort_slots_by_expert
 
 FAST_ACCUM = True  # torchao's FP8 grouped GEMMs use fast accumulation forward and backward
 

@@ -22,7 +22,7 @@ import dataclasses
 import torch
 import triton
 
-from kernels.fp8.quant import FP8, TILE, quantize_weight_into
+from kernels.fp8.blockwise import FP8, TILE, quantize_weight_into
 
 # The tensor fields, in the order of tensors() (the custom ops take them as one list).
 TENSOR_FIELDS = ("w1_q", "w1_s", "w3_q", "w3_s", "w2_q", "w2_s", "w2t_q", "w2t_s", "w13t_q", "w13t_s")

@@ -3,7 +3,7 @@
     y_TD = mega_moe_fp8(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF)
     y[t] = sum_k s[t,k] * w2[e] @ (silu(w1[e] @ x[t]) * (w3[e] @ x[t])),  e = topk_ids[t,k]
 
-The bf16 ``mega`` op (``kernels/mega_moe/op.py``) with its operands quantized DeepSeek-V3 style:
+The bf16 ``mega`` op (``kernels/moe/mega/op.py``) with its operands quantized DeepSeek-V3 style:
 activations and gradients in 1 x 128 tiles along the reduction dim, weights in 128 x 128 blocks,
 weight-gradient operands in 128 x 1 tiles along the tokens of one expert; fp32 accumulation with
 the scales applied per 128-long K step. Forward and backward are ``torch.library`` custom ops
@@ -13,7 +13,7 @@ autograd formula, so ``torch.compile(fullgraph=True)`` sees the layer as one nod
 Saved for backward, as in the bf16 op: x, the routing weights, the three weights, H = [gate | up]
 (N x 2F bf16) and the routing metadata. The weights' e4m3 copies are made per call (forward and
 again in the backward), or once per optimizer step by the caller and passed as ``quantized``
-(:class:`~kernels.mega_moe_fp8.weights.QuantizedExpertWeights`; ``models/moe/weight_cache.py``
+(:class:`~kernels.moe.mega_fp8.weights.QuantizedExpertWeights`; ``models/moe/weight_cache.py``
 does this in training), in which case the weights themselves are only gradient carriers: they may
 be the float32 master weights, whose gradients the kernels then write in float32 directly.
 
@@ -30,13 +30,13 @@ from typing import Iterator
 
 import torch
 
-from kernels import register_moe_backend
-from kernels.mega_moe.op import _backward_fake as _bf16_backward_fake
-from kernels.mega_moe.op import _check_device, _check_inputs
-from kernels.mega_moe.op import _forward_fake as _bf16_forward_fake
-from kernels.mega_moe_fp8.backward import WGRAD_PRECISIONS, moe_fp8_backward
-from kernels.mega_moe_fp8.forward import moe_fp8_forward
-from kernels.mega_moe_fp8.weights import QuantizedExpertWeights
+from kernels.moe import register_moe_backend
+from kernels.moe.mega.op import _backward_fake as _bf16_backward_fake
+from kernels.moe.mega.op import _check_device, _check_inputs
+from kernels.moe.mega.op import _forward_fake as _bf16_forward_fake
+from kernels.moe.mega_fp8.backward import WGRAD_PRECISIONS, moe_fp8_backward
+from kernels.moe.mega_fp8.forward import moe_fp8_forward
+from kernels.moe.mega_fp8.weights import QuantizedExpertWeights
 
 _Tensors4 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 _Tensors5 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]

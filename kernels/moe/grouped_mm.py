@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import register_moe_backend
+from kernels.moe import register_moe_backend
 
 
 def _probe_cpu_grouped_mm() -> bool:

@@ -14,10 +14,11 @@ N x D. See ``forward.py`` and ``backward.py`` for the kernels.
 
 import torch
 
-from kernels import register_moe_backend
-from kernels.mega_moe.backward import moe_backward
-from kernels.mega_moe.configs import get_configs, interpreting
-from kernels.mega_moe.forward import moe_forward
+from kernels.moe import register_moe_backend
+from kernels.moe.mega.backward import moe_backward
+from kernels.moe.mega.configs import get_configs
+from kernels.triton_utils import interpreting
+from kernels.moe.mega.forward import moe_forward
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _Tensors4 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]

@@ -14,6 +14,6 @@ The GEMM and quantization kernels are the building blocks of ``kernels/fp8``. Im
 registers the backend under the name ``"mega_fp8"``.
 """
 
-from kernels.mega_moe_fp8.op import MegaFP8Options, get_options, mega_moe_fp8, options, set_options
+from kernels.moe.mega_fp8.op import MegaFP8Options, get_options, mega_moe_fp8, options, set_options
 
 __all__ = ["MegaFP8Options", "get_options", "mega_moe_fp8", "options", "set_options"]

@@ -1,10 +1,10 @@
-"""Forward of the FP8 mega-MoE op: the bf16 op's data path (``kernels/mega_moe/forward.py``) with
+"""Forward of the FP8 mega-MoE op: the bf16 op's data path (``kernels/moe/mega/forward.py``) with
 every GEMM operand in block-scaled e4m3, composed from the building blocks of ``kernels/fp8``.
 
-    x_q, x_s    = quantize_rowwise(x)                                 1 x 128 tiles along D, once
+    x_q, x_s    = quantize_1x128(x)                                 1 x 128 tiles along D, once
     w*_q, w*_s  = quantize_weight(w*)                                 128 x 128 blocks, every call
     H_N2F[r]    = [x[tok(r)] @ w1[e]^T | x[tok(r)] @ w3[e]^T]          fp8_gate_up_swiglu: x rows
-    A_q, A_s    = quantize_rowwise(silu(H gate) * H up)                gathered by token; A is only
+    A_q, A_s    = quantize_1x128(silu(H gate) * H up)                gathered by token; A is only
                                                                        written quantized (epilogue)
     Ybuf[slot]  = s[slot] * A[r] @ w2[e]^T                            fp8_grouped_gemm, combine
                                                                        epilogue (slot = sorted_slot[r])
@@ -23,10 +23,11 @@ from __future__ import annotations
 import torch
 
 from kernels.fp8.grouped_gemm import fp8_gate_up_swiglu, fp8_grouped_gemm
-from kernels.fp8.quant import interpreting, quantize_rowwise, quantize_weight
-from kernels.mega_moe.common import sum_over_k, valid_slots
-from kernels.mega_moe.routing import sort_by_expert, tile_table
-from kernels.mega_moe_fp8.weights import QuantizedExpertWeights
+from kernels.fp8.blockwise import quantize_1x128, quantize_weight
+from kernels.triton_utils import interpreting
+from kernels.moe.combine import sum_over_k, valid_slots
+from kernels.moe.routing import sort_by_expert, tile_table
+from kernels.moe.mega_fp8.weights import QuantizedExpertWeights
 
 def gemm_blocks() -> tuple[int, int]:
     """(block_m, block_n) of the M-tiled FP8 GEMMs (gate/up, down, dX); one tile table serves all.
@@ -68,7 +69,7 @@ def moe_fp8_forward(
     tiles = tile_table(offsets_E1, T * K, bm)
     bm_gu = gate_up_block_m()
     tiles_gu = tiles if bm_gu == bm else tile_table(offsets_E1, T * K, bm_gu)
-    x_q, x_s = quantize_rowwise(x_TD, pow2_scales)
+    x_q, x_s = quantize_1x128(x_TD, pow2_scales)
     if quantized is None:
         w1_q, w1_s = quantize_weight(w1_EFD, pow2_scales)
         w3_q, w3_s = quantize_weight(w3_EFD, pow2_scales)

@@ -1,10 +1,10 @@
 """Plain-PyTorch reference of the FP8 mega-MoE op: the same quantization steps, GEMMs in float64.
 
-Each e4m3 operand is made by the torch references of ``kernels/fp8/quant.py`` (bit-identical to the
+Each e4m3 operand is made by the torch references of ``kernels/fp8/blockwise.py`` (bit-identical to the
 kernels), each GEMM is float64 on the dequantized operands, and every intermediate is rounded to
 the activation dtype where the kernels round it (H, A, dH, s * A, the per-slot rows). So the op and
 this reference differ only by fp32 accumulation order and the rare rounding flip it causes: a
-tight oracle for the quantized pipeline, where ``kernels/moe_reference.py`` (unquantized) can only
+tight oracle for the quantized pipeline, where ``kernels/moe/reference.py`` (unquantized) can only
 bound the error at the FP8 level. Host loops over experts; tests only.
 
 The functions take and return what the custom ops do (``op.py``), so the two can be fed the same
@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.fp8.grouped_gemm import fp8_gate_up_swiglu_ref, fp8_grouped_gemm_ref, fp8_wgrad_ref
-from kernels.fp8.quant import quantize_cols_grouped_ref, quantize_rowwise_ref, quantize_weight_ref
-from kernels.mega_moe.routing import sort_by_expert
+from kernels.fp8.blockwise import quantize_cols_grouped_ref, quantize_1x128_ref, quantize_weight_ref
+from kernels.moe.routing import sort_by_expert
 
 
 def _slot_rows(buf_ND: torch.Tensor, valid_N: torch.Tensor, T: int, dtype: torch.dtype) -> torch.Tensor:
@@ -52,14 +52,14 @@ def mega_moe_fp8_forward_ref(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD,
     T, K = topk_ids_TK.shape
     dtype = x_TD.dtype
     sorted_slot_N, offsets_E1 = sort_by_expert(topk_ids_TK, w1_EFD.shape[0])
-    x_q, x_s = quantize_rowwise_ref(x_TD, pow2_scales)
+    x_q, x_s = quantize_1x128_ref(x_TD, pow2_scales)
     w1_q, w1_s = quantize_weight_ref(w1_EFD, pow2_scales)
     w3_q, w3_s = quantize_weight_ref(w3_EFD, pow2_scales)
     w2_q, w2_s = quantize_weight_ref(w2_EDF, pow2_scales)
     g, u, _ = fp8_gate_up_swiglu_ref(x_q, x_s, w1_q, w1_s, w3_q, w3_s, sorted_slot_N, offsets_E1, K)
     g, u = g.to(dtype), u.to(dtype)
     a = (F.silu(g.float()) * u.float()).to(dtype)  # from the rounded gate/up, as the kernel
-    a_q, a_s = quantize_rowwise_ref(a, pow2_scales)
+    a_q, a_s = quantize_1x128_ref(a, pow2_scales)
     ybuf = fp8_grouped_gemm_ref(a_q, a_s, w2_q, w2_s, offsets_E1, out_slot_N=sorted_slot_N,
                                 slot_weights_N=topk_weights_TK.reshape(-1).float())
     valid_N = topk_ids_TK.reshape(-1) >= 0
@@ -89,7 +89,7 @@ def mega_moe_fp8_backward_ref(dy_TD, x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_E
     def pad(rows_nX):  # n expert-sorted rows -> N, zeros for the empty slots
         return torch.cat([rows_nX, rows_nX.new_zeros(T * K - n, *rows_nX.shape[1:])])
 
-    dy_q, dy_s = quantize_rowwise_ref(dy_TD, pow2_scales)
+    dy_q, dy_s = quantize_1x128_ref(dy_TD, pow2_scales)
     w2_q, w2_s = quantize_weight_ref(w2_EDF, pow2_scales)
     da = fp8_grouped_gemm_ref(dy_q, dy_s, w2_q.mT.contiguous(), w2_s.mT.contiguous(), offsets_E1, sorted_slot_N, K)[:n]
     g, u = h_N2F[:n, :Fh].double(), h_N2F[:n, Fh:].double()
@@ -103,7 +103,7 @@ def mega_moe_fp8_backward_ref(dy_TD, x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_E
 
     dxbuf = 0
     for half, w in ((dgate, w1_EFD), (dup, w3_EFD)):
-        h_q, h_s = quantize_rowwise_ref(half, pow2_scales)
+        h_q, h_s = quantize_1x128_ref(half, pow2_scales)
         w_q, w_s = quantize_weight_ref(w, pow2_scales)
         dxbuf = dxbuf + fp8_grouped_gemm_ref(h_q, h_s, w_q.mT.contiguous(), w_s.mT.contiguous(), offsets_E1,
                                              out_slot_N=sorted_slot_N)

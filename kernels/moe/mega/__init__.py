@@ -11,7 +11,7 @@ Data path, in reading order:
 Importing this package registers the backend under the name ``"mega"``.
 """
 
-from kernels.mega_moe.configs import MegaMoEConfigs, TileConfig, get_configs, override_configs
-from kernels.mega_moe.op import mega_moe
+from kernels.moe.mega.configs import MegaMoEConfigs, TileConfig, get_configs, override_configs
+from kernels.moe.mega.op import mega_moe
 
 __all__ = ["MegaMoEConfigs", "TileConfig", "get_configs", "mega_moe", "override_configs"]

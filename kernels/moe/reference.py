@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import register_moe_backend
+from kernels.moe import register_moe_backend
 
 
 @register_moe_backend("torch")

@@ -33,20 +33,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.grouped_mm import grouped_mm
-from kernels.mega_moe.common import (
-    expert_tile,
-    launch_flags,
-    launch_options,
-    m_tiled_launch,
-    mma,
-    num_work,
-    sum_over_k,
-    tile_rows,
-    valid_slots,
-)
-from kernels.mega_moe.configs import MegaMoEConfigs, TileConfig, interpreting
-from kernels.mega_moe.routing import max_tiles, tile_table
+from kernels.moe.grouped_mm import grouped_mm
+from kernels.moe.combine import sum_over_k, valid_slots
+from kernels.triton_utils import expert_tile, launch_flags, launch_options, m_tiled_launch, mma, num_work, tile_rows
+from kernels.moe.mega.configs import MegaMoEConfigs, TileConfig
+from kernels.triton_utils import interpreting
+from kernels.moe.routing import max_tiles, tile_table
 
 
 @triton.jit

@@ -43,8 +43,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.fp8.quant import interpreting, quantize_tile, scale_from_amax_ref, to_e4m3_bits
-from kernels.fp8.quant import scale_from_amax as _scale_from_amax_tl
+from kernels.fp8.blockwise import quantize_tile, scale_from_amax_ref, to_e4m3_bits
+from kernels.triton_utils import interpreting
+from kernels.fp8.blockwise import scale_from_amax as _scale_from_amax_tl
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0

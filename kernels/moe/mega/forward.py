@@ -5,7 +5,7 @@
     Ybuf[slot] = s[slot] * A_NF[r] @ w2[e]^T                         (slot = sorted_slot[r])
     y[t]       = sum_k Ybuf[t*K + k]                                 (fp32, fixed order)
 
-Both GEMMs are grouped over experts by the tile table of :mod:`kernels.mega_moe.routing`: a 1-D
+Both GEMMs are grouped over experts by the tile table of :mod:`kernels.moe.routing`: a 1-D
 grid of ``max_tiles * n_tiles`` programs, program -> (M-tile, N-tile) with the N-tile fastest so
 that programs running together share their gathered A rows and their expert's weights in L2.
 x rows are gathered by token index inside the A-operand load; no N x D copy of x is made.
@@ -17,18 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.mega_moe.common import (
-    launch_flags,
-    launch_options,
-    m_tiled_launch,
-    mma,
-    num_work,
-    sum_over_k,
-    tile_rows,
-    valid_slots,
-)
-from kernels.mega_moe.configs import MegaMoEConfigs, TileConfig
-from kernels.mega_moe.routing import max_tiles, sort_by_expert, tile_table
+from kernels.moe.combine import sum_over_k, valid_slots
+from kernels.triton_utils import launch_flags, launch_options, m_tiled_launch, mma, num_work, tile_rows
+from kernels.moe.mega.configs import MegaMoEConfigs, TileConfig
+from kernels.moe.routing import max_tiles, sort_by_expert, tile_table
 
 
 @triton.jit

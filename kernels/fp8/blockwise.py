@@ -3,14 +3,14 @@
 Every quantized tensor is a pair ``(q, s)``: ``q`` in ``torch.float8_e4m3fn`` and ``s`` fp32 scales,
 one per tile, such that ``x ~= q.float() * s`` tile by tile. The tiles:
 
-- activations and gradients, :func:`quantize_rowwise`: 1 x 128 along the last dim (the reduction
+- activations and gradients, :func:`quantize_1x128`: 1 x 128 along the last dim (the reduction
   dim of the GEMM that consumes them). (M, K) -> q (M, K), s (M, ceil(K/128)).
 - the same data for a GEMM that reduces over M (wgrad), :func:`quantize_dual`: 128 x 1 tiles, stored
   transposed so the reduction dim stays contiguous (K-major, what Hopper's FP8 MMA reads):
-  qt (K, M), st (K, ceil(M/128)), i.e. exactly ``quantize_rowwise(x.T)``, made in the same read of x
+  qt (K, M), st (K, ceil(M/128)), i.e. exactly ``quantize_1x128(x.T)``, made in the same read of x
   as the row copy.
 - expert-grouped 128 x 1 tiles for the MoE wgrad, :func:`quantize_cols_grouped`: the 128-row blocks
-  follow each expert's rows (the tile table of :mod:`kernels.mega_moe.routing` with block_m = 128),
+  follow each expert's rows (the tile table of :mod:`kernels.moe.routing` with block_m = 128),
   so a block never straddles two experts; rows may be gathered by token on the fly. Stored either
   at the rows' own positions or "padded": tile i at columns [128 i, 128 i + 128), zero filled, so
   the wgrad GEMM reads whole aligned 128-column blocks with no row mask.
@@ -37,8 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.mega_moe.configs import interpreting
-from kernels.mega_moe.routing import max_tiles, tile_table
+from kernels.triton_utils import interpreting
+from kernels.moe.routing import max_tiles, tile_table
 
 E4M3_MAX = 448.0
 AMAX_EPS = 1e-12
@@ -123,8 +123,8 @@ def _pad_last(x: torch.Tensor, mult: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, pad)) if pad else x
 
 
-def quantize_rowwise_ref(x: torch.Tensor, pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference of :func:`quantize_rowwise`: (..., K) -> q (..., K) e4m3, s (..., ceil(K/128)) fp32."""
+def quantize_1x128_ref(x: torch.Tensor, pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of :func:`quantize_1x128`: (..., K) -> q (..., K) e4m3, s (..., ceil(K/128)) fp32."""
     K = x.shape[-1]
     xp = _pad_last(x.float(), TILE)
     xt = xp.reshape(*x.shape[:-1], -1, TILE)
@@ -141,8 +141,8 @@ def dequantize_rowwise_ref(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype 
 
 def quantize_dual_ref(x: torch.Tensor, pow2_scales: bool = False):
     """Reference of :func:`quantize_dual`: the row copy of x and the row copy of x.T."""
-    q, s = quantize_rowwise_ref(x, pow2_scales)
-    qt, st = quantize_rowwise_ref(x.t(), pow2_scales)
+    q, s = quantize_1x128_ref(x, pow2_scales)
+    qt, st = quantize_1x128_ref(x.t(), pow2_scales)
     return q, s, qt, st
 
 
@@ -192,7 +192,7 @@ def quantize_cols_grouped_ref(
     for e in range(E):
         for r0 in range(offs[e], offs[e + 1], TILE):
             r1 = min(r0 + TILE, offs[e + 1])
-            q, s = quantize_rowwise_ref(xg[r0:r1].t(), pow2_scales)  # (K, r1-r0), (K, 1)
+            q, s = quantize_1x128_ref(xg[r0:r1].t(), pow2_scales)  # (K, r1-r0), (K, 1)
             c0 = tile * TILE if padded else r0
             qt[:, c0 : c0 + r1 - r0] = q
             st[:, tile] = s[:, 0]
@@ -214,7 +214,7 @@ def group_tile_offsets(offsets_E1: torch.Tensor, block: int = TILE) -> torch.Ten
 
 
 @triton.jit
-def _rowwise_kernel(
+def _quantize_1x128_kernel(
     x_ptr,  # (M, K) bf16/fp32
     q_ptr,  # (M, K) uint8 view of e4m3 out
     s_ptr,  # (M, cdiv(K, 128)) fp32 out
@@ -402,7 +402,7 @@ def _check_input(x: torch.Tensor, ndim: int, name: str) -> None:
         raise ValueError(f"{name}: expected a contiguous tensor (row-major), got strides {x.stride()}")
 
 
-def quantize_rowwise(x_MK: torch.Tensor, pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_1x128(x_MK: torch.Tensor, pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """1 x 128 tiles along the last dim (activations, gradients: the GEMM's reduction dim).
 
     Args:
@@ -420,7 +420,7 @@ def quantize_rowwise(x_MK: torch.Tensor, pow2_scales: bool = False) -> tuple[tor
     if M == 0 or K == 0:
         return q, s
     block_m = 16 if interpreting() else 32
-    _rowwise_kernel[(triton.cdiv(M, block_m), triton.cdiv(K, TILE))](
+    _quantize_1x128_kernel[(triton.cdiv(M, block_m), triton.cdiv(K, TILE))](
         x_MK, q.view(torch.uint8), s, M, K,
         BLOCK_M=block_m, POW2=pow2_scales, SOFT=interpreting(), num_warps=4,
     )  # fmt: skip
@@ -435,9 +435,9 @@ def quantize_dual(
     Args:
         x_MK: (M, K) bf16/fp16/fp32, contiguous; M, K any size (partial tiles masked).
     Returns:
-        q_MK (M, K) e4m3, s_MKb (M, ceil(K/128)) fp32: 1 x 128 tiles, as :func:`quantize_rowwise`.
+        q_MK (M, K) e4m3, s_MKb (M, ceil(K/128)) fp32: 1 x 128 tiles, as :func:`quantize_1x128`.
         qt_KM (K, M) e4m3, st_KMb (K, ceil(M/128)) fp32: 128 x 1 tiles of x stored transposed, so
-            ``x[m, k] ~= qt[k, m] * st[k, m // 128]``; equal to ``quantize_rowwise(x.T)``.
+            ``x[m, k] ~= qt[k, m] * st[k, m // 128]``; equal to ``quantize_1x128(x.T)``.
     """
     _check_input(x_MK, 2, "x_MK")
     M, K = x_MK.shape
@@ -471,7 +471,7 @@ def quantize_cols_grouped(
     Args:
         x: (Nr, K) rows in expert-sorted order (e.g. dH), or with ``sorted_slot_N`` (Nr,) the
             (T, K) token rows gathered as ``x[sorted_slot_N[r] // top_k]`` (e.g. the layer input).
-        offsets_E1: (E+1,) int32 from :func:`kernels.mega_moe.routing.sort_by_expert`.
+        offsets_E1: (E+1,) int32 from :func:`kernels.moe.routing.sort_by_expert`.
         tiles: optional tile table for block_m = 128 (built if None).
         padded: store each tile in its own 128 columns (see Returns), the layout of
             ``fp8_wgrad(..., padded=True)``: an expert's rows then start at a multiple of 128,

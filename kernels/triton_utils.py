@@ -1,14 +1,23 @@
-"""Triton helpers shared by the forward and backward kernels of the mega-MoE op."""
+"""Triton helpers shared by every kernel in ``kernels/``: the interpreter switch, the fp32-accumulating
+``tl.dot`` wrapper, the output cast, the tile prologues of the grouped GEMMs and their launch grids."""
 
 from __future__ import annotations
 
 import functools
+import os
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.mega_moe.configs import TileConfig, interpreting
+if TYPE_CHECKING:
+    from kernels.moe.mega.configs import TileConfig
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run on CPU tensors through the interpreter (tests on CPU)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -108,79 +117,3 @@ def launch_flags(dtype: torch.dtype) -> dict:
 
 def launch_options(cfg: TileConfig) -> dict:
     return dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-
-@triton.jit
-def _sum_over_k_kernel(
-    buf_ptr,  # (N, D) rows by slot t*K+k, or by expert-sorted row if GATHER
-    buf2_ptr,  # (N, D) a second buffer of the same layout, added (read only if TWO)
-    row_ptr,  # (N,) int32 row of each slot (read only if GATHER)
-    out_ptr,  # (T, D)
-    valid_ptr,  # (T*K,) int8: 0 for an empty slot (expert id -1), whose row was never written
-    K_TOP,
-    D,
-    K_POW2: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HAS_EMPTY: tl.constexpr,
-    GATHER: tl.constexpr,
-    TWO: tl.constexpr,
-    SOFT: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    k = tl.arange(0, K_POW2)
-    slot = t * K_TOP + k
-    kmask = k < K_TOP
-    row = slot
-    if GATHER:
-        row = tl.load(row_ptr + slot, mask=kmask, other=0).to(tl.int64)
-    if HAS_EMPTY:
-        kmask = kmask & (tl.load(valid_ptr + slot, mask=k < K_TOP, other=0) != 0)
-    mask = kmask[:, None] & (d < D)[None, :]
-    offs = row[:, None] * D + d[None, :]
-    vals = tl.load(buf_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if TWO:
-        vals += tl.load(buf2_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    # A fixed-order sum in registers: deterministic, unlike float atomics into out.
-    tl.store(out_ptr + t * D + d, cast_out(tl.sum(vals, axis=0), out_ptr.dtype.element_ty, SOFT), mask=d < D)
-
-
-def sum_over_k(
-    buf_ND: torch.Tensor,
-    num_tokens: int,
-    top_k: int,
-    valid_N: torch.Tensor | None = None,
-    row_of_slot_N: torch.Tensor | None = None,
-    buf2_ND: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """out[t] = sum_k buf[row(t*K + k)] (+ buf2[same row]), accumulated in fp32, in buf's dtype.
-
-    Args:
-        buf_ND: (T*K, D) rows written per (token, k) slot by a GEMM epilogue, or, with
-            ``row_of_slot_N``, rows in any order (e.g. expert-sorted) that the index maps slots to.
-        valid_N: optional (T*K,) int8, 0 for empty slots (expert id -1): their rows are skipped.
-        row_of_slot_N: optional (T*K,) int32 row of ``buf_ND`` holding each slot.
-        buf2_ND: optional second buffer of ``buf_ND``'s layout, summed with it.
-    Returns:
-        (T, D) tensor.
-    """
-    D = buf_ND.shape[1]
-    out_TD = torch.empty((num_tokens, D), device=buf_ND.device, dtype=buf_ND.dtype)
-    if num_tokens == 0:
-        return out_TD
-    block_d = min(triton.next_power_of_2(D), 1024 if not interpreting() else 64)
-    _sum_over_k_kernel[(num_tokens, triton.cdiv(D, block_d))](
-        buf_ND, buf_ND if buf2_ND is None else buf2_ND, buf_ND if row_of_slot_N is None else row_of_slot_N,
-        out_TD, buf_ND if valid_N is None else valid_N, top_k, D,
-        K_POW2=triton.next_power_of_2(top_k), BLOCK_D=block_d, HAS_EMPTY=valid_N is not None,
-        GATHER=row_of_slot_N is not None, TWO=buf2_ND is not None, SOFT=interpreting(), num_warps=4,
-    )  # fmt: skip
-    return out_TD
-
-
-def valid_slots(sorted_slot_N: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
-    """(N,) int8, 1 where the slot has an expert: empty slots (id -1) sort after the last expert's
-    rows, i.e. at rows >= offsets_E1[E]."""
-    N = sorted_slot_N.numel()
-    in_expert_N = (torch.arange(N, device=sorted_slot_N.device) < offsets_E1[-1]).to(torch.int8)
-    return torch.empty_like(in_expert_N).scatter(0, sorted_slot_N.long(), in_expert_N)

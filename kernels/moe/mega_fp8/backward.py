@@ -1,8 +1,8 @@
-"""Backward of the FP8 mega-MoE op (the math of ``kernels/mega_moe/backward.py``, operands in e4m3).
+"""Backward of the FP8 mega-MoE op (the math of ``kernels/moe/mega/backward.py``, operands in e4m3).
 
 With g, u the gate/up halves of H (saved by the forward, expert-sorted rows r, slot = sorted_slot[r]):
 
-    dy_q, dy_s  = quantize_rowwise(dy)                                   1 x 128 along D
+    dy_q, dy_s  = quantize_1x128(dy)                                   1 x 128 along D
     dA'[r]      = dy[tok(r)] @ w2[e]                                     fp8_grouped_gemm (fp32 out),
     ds[slot]    = rowsum(dA'[r] * silu(g) * u)                           then _dh_from_da_kernel: the
     dgate = s * dA' * u * silu'(g),  dup = s * dA' * silu(g)             SwiGLU backward, which also
@@ -33,23 +33,24 @@ import triton
 import triton.language as tl
 
 from kernels.fp8.grouped_gemm import _kscales, _load_ab, _promote, fp8_grouped_gemm, fp8_wgrad
-from kernels.fp8.quant import (
+from kernels.fp8.blockwise import (
     FP8,
     TILE,
     interpreting,
     quantize_cols_grouped,
-    quantize_rowwise,
+    quantize_1x128,
     quantize_tile,
     quantize_weight_into,
     scale_from_amax,
     to_e4m3_bits,
 )
-from kernels.mega_moe.backward import dw13, dw2
-from kernels.mega_moe.common import cast_out, sum_over_k, tile_rows, valid_slots
-from kernels.mega_moe.configs import get_configs
-from kernels.mega_moe.routing import max_tiles, tile_table
-from kernels.mega_moe_fp8.forward import gemm_blocks
-from kernels.mega_moe_fp8.weights import QuantizedExpertWeights
+from kernels.moe.mega.backward import dw13, dw2
+from kernels.moe.combine import sum_over_k, valid_slots
+from kernels.triton_utils import cast_out, tile_rows
+from kernels.moe.mega.configs import get_configs
+from kernels.moe.routing import max_tiles, tile_table
+from kernels.moe.mega_fp8.forward import gemm_blocks
+from kernels.moe.mega_fp8.weights import QuantizedExpertWeights
 
 WGRAD_PRECISIONS = ("fp8", "bf16")
 
@@ -220,7 +221,7 @@ def _dh_epilogue(acc, rows, rmask, slot, offs_n, pid_n, s_ptr, h_ptr, dh_ptr, dh
     dh_ptrs = dh_ptr + rows64[:, None] * (2 * F) + offs_n[None, :]
     tl.store(dh_ptrs, dgate, mask=smask)
     tl.store(dh_ptrs + F, dup, mask=smask)
-    # Quantized from the rounded dH, so each half equals quantize_rowwise of the stored one.
+    # Quantized from the rounded dH, so each half equals quantize_1x128 of the stored one.
     FP = FB * 128
     _store_quantized_half(dgate, nmask, rows64, rmask, offs_n, 0, pid_n, dhq_ptr, dhs_ptr, FP, FB, POW2, SOFT)
     _store_quantized_half(dup, nmask, rows64, rmask, offs_n, FP, FB + pid_n, dhq_ptr, dhs_ptr, FP, FB, POW2, SOFT)
@@ -255,7 +256,7 @@ def dh_swiglu(
     """FP8 dA' = dy_gathered @ w2[e] with the SwiGLU backward and the routing-weight grad as epilogue.
 
     Args:
-        dy_q, dy_s: (T, D) e4m3 and (T, ceil(D/128)) fp32, 1 x 128 tiles (``quantize_rowwise(dy)``).
+        dy_q, dy_s: (T, D) e4m3 and (T, ceil(D/128)) fp32, 1 x 128 tiles (``quantize_1x128(dy)``).
         w2t_q, w2t_s: (E, F, D) e4m3 and (E, ceil(F/128), ceil(D/128)) fp32: w2's quantized bytes
             and block scales transposed (``q.mT``, ``s.mT``, contiguous).
         h_N2F: (N, 2F) [gate | up] from the forward; topk_weights_TK: (T, K) fp32.
@@ -267,7 +268,7 @@ def dh_swiglu(
         dh_N2F: (N, 2F) [dgate | dup] in h's dtype, expert-sorted rows.
         (dh_q, dh_s): (N, 2 * FP) e4m3 and (N, 2 * ceil(F/128)) fp32, FP = F rounded up to 128:
             dgate at columns [0, F), dup at [FP, FP + F), zeros between; each half is
-            ``quantize_rowwise`` of the stored dgate / dup.
+            ``quantize_1x128`` of the stored dgate / dup.
         ds_TK: (T, K) fp32 routing-weight gradient (empty slots: undefined, the caller masks).
         sa_NF: (N, F) s * silu(g) * u in h's dtype (None unless store_sa): dW2's operand.
         Rows r >= offsets_E1[E] (empty slots) are not written.
@@ -381,7 +382,7 @@ def moe_fp8_backward(
     T, K = topk_weights_TK.shape
     E, F, D = w1_EFD.shape
     N = T * K
-    dy_q, dy_s = quantize_rowwise(dy_TD, pow2_scales)
+    dy_q, dy_s = quantize_1x128(dy_TD, pow2_scales)
     if quantized is None:
         w2t_q, w2t_s = transposed_weight(w2_EDF, pow2_scales)
     else:

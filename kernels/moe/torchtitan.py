@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import register_moe_backend
+from kernels.moe import register_moe_backend
 
 try:
     from torchtitan.models.moe.moe import GroupedExperts, TokenReorderer
