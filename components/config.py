@@ -56,7 +56,7 @@ class Model:
 @dataclass
 class MoE:
     backend: str = _field("grouped_mm", "routed-expert implementation: torch | grouped_mm | mega "
-                          "(kernels.available_moe_backends() lists the registered ones)")
+                          "(kernels.moe.available_moe_backends() lists the registered ones)")
     load_balance: str = _field("aux_loss", "aux_loss: Qwen3's router auxiliary loss; expert_bias: "
                                "aux-loss-free bias (DeepSeek-V3); none", choices=("aux_loss", "expert_bias", "none"))
     aux_loss_coef: float = _field(0.001, "weight of the router auxiliary loss in the total loss", ge=0)

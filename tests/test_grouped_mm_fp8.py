@@ -110,8 +110,8 @@ def test_backend_matches_fp8_oracle_and_reference(T, D, F_, E, K, kind):
 
 
 def test_registered_and_resolved():
-    assert kernels.resolve_moe_backend("grouped_mm", "fp8_rowwise") == "grouped_mm_fp8"
-    assert kernels.get_moe_backend("grouped_mm_fp8") is moe_grouped_mm_fp8
+    assert kernels.moe.resolve_moe_backend("grouped_mm", "fp8_rowwise") == "grouped_mm_fp8"
+    assert kernels.moe.get_moe_backend("grouped_mm_fp8") is moe_grouped_mm_fp8
 
 
 def test_dims_not_multiple_of_16_are_rejected():

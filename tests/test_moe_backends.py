@@ -64,7 +64,7 @@ def test_backend_matches_reference(backend, T, D, F, E, K, kind):
     if backend == "mega" and torch.cuda.is_available():  # Triton runs on the GPU there, not interpreted
         x, ids, w, w1, w3, w2, dy = (t.cuda() for t in (x, ids, w, w1, w3, w2, dy))
     ref_y, ref_grads = run_with_grads(moe_reference, x, ids, w, w1, w3, w2, dy, torch.float64)
-    y, grads = run_with_grads(kernels.get_moe_backend(backend), x, ids, w, w1, w3, w2, dy, torch.float32)
+    y, grads = run_with_grads(kernels.moe.get_moe_backend(backend), x, ids, w, w1, w3, w2, dy, torch.float32)
     assert y.dtype == torch.float32
     torch.testing.assert_close(y.double(), ref_y, rtol=1e-4, atol=1e-5)
     assert y.device == x.device
@@ -103,7 +103,7 @@ def test_grouped_mm_cpu_fallback_loop(monkeypatch):
 
 def test_grouped_mm_compiles_fullgraph():
     x, ids, w, w1, w3, w2 = make_inputs(12, 16, 24, 4, 2, "random")
-    fn = torch.compile(kernels.get_moe_backend("grouped_mm"), backend="aot_eager", fullgraph=True)
+    fn = torch.compile(kernels.moe.get_moe_backend("grouped_mm"), backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(fn(x, ids, w, w1, w3, w2), moe_reference(x, ids, w, w1, w3, w2), rtol=1e-4, atol=1e-5)
 
 
@@ -114,7 +114,7 @@ def test_grouped_mm_float32_compiles_with_inductor(kind):
     The loop form did not: inductor could not lower its backward (data-dependent slice sizes)."""
     x, ids, w, w1, w3, w2 = make_inputs(20, 16, 24, 6, 2, kind)
     dy = torch.randn(20, 16)
-    fn = torch.compile(kernels.get_moe_backend("grouped_mm"), fullgraph=True)
+    fn = torch.compile(kernels.moe.get_moe_backend("grouped_mm"), fullgraph=True)
     ref_y, ref_grads = run_with_grads(moe_reference, x, ids, w, w1, w3, w2, dy, torch.float64)
     y, grads = run_with_grads(fn, x, ids, w, w1, w3, w2, dy, torch.float32)
     torch.testing.assert_close(y.double(), ref_y, rtol=1e-4, atol=1e-5)
@@ -124,7 +124,7 @@ def test_grouped_mm_float32_compiles_with_inductor(kind):
 
 def test_unknown_backend_lists_registered():
     with pytest.raises(ValueError, match="unknown MoE backend 'nope'.*grouped_mm.*torch"):
-        kernels.get_moe_backend("nope")
+        kernels.moe.get_moe_backend("nope")
 
 
 def gpu_backend(name: str):
@@ -132,7 +132,7 @@ def gpu_backend(name: str):
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     try:
-        return kernels.get_moe_backend(name)
+        return kernels.moe.get_moe_backend(name)
     except ImportError as e:
         pytest.skip(str(e))
 
@@ -159,7 +159,7 @@ def test_grouped_mm_float32_on_cuda_falls_back_to_the_loop():
     x, ids, w, w1, w3, w2 = [t.cuda() for t in make_inputs(40, 16, 24, 6, 2, "one_expert_empty")]
     dy = torch.randn(40, 16, device="cuda")
     ref_y, ref_grads = run_with_grads(moe_reference, x, ids, w, w1, w3, w2, dy, torch.float64)
-    y, grads = run_with_grads(kernels.get_moe_backend("grouped_mm"), x, ids, w, w1, w3, w2, dy, torch.float32)
+    y, grads = run_with_grads(kernels.moe.get_moe_backend("grouped_mm"), x, ids, w, w1, w3, w2, dy, torch.float32)
     torch.testing.assert_close(y.double(), ref_y, rtol=1e-4, atol=1e-4)
     for g, rg in zip(grads, ref_grads):
         torch.testing.assert_close(g.double(), rg, rtol=1e-4, atol=1e-4)
