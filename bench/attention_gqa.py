@@ -3,8 +3,7 @@
     python -m bench.attention_gqa
 
 Compares ``enable_gqa=True`` against repeating K/V to all heads, under each SDPA backend, and
-FlexAttention (``torch.compile``-d ``flex_attention`` with a causal block mask, GQA), which issue 7
-asks to compare. :func:`flex_causal_attention` is checked against SDPA on CPU by
+FlexAttention (``torch.compile``-d ``flex_attention`` with a causal block mask, GQA). :func:`flex_causal_attention` is checked against SDPA on CPU by
 tests/test_attention_bench.py.
 """
 

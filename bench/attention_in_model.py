@@ -2,9 +2,8 @@
 
     python -m bench.attention_in_model
 
-Run 11 found ``[model] attention_backend = "cudnn"`` no faster than the default in the whole step
-(62,023 vs 62,006 tokens/s) although cuDNN was 1.7x flash in isolation (Run 1, contiguous
-(B, H, L, hd) inputs). This times SDPA at the Qwen3-30B-A3B attention shape on q/k/v laid out as
+``[model] attention_backend = "cudnn"`` was no faster than the default in the whole step although
+cuDNN was 1.7x flash in isolation on contiguous (B, H, L, hd) inputs. This times SDPA at the Qwen3-30B-A3B attention shape on q/k/v laid out as
 the model makes them ((B, L, H, hd) transposed: not contiguous) and contiguous, eager and under
 ``torch.compile(fullgraph=True)``, with each backend preference, plus the model's own
 ``Attention`` module, and names the attention kernels the profiler sees in each case.

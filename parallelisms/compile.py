@@ -9,21 +9,12 @@ import torch.nn as nn
 from components.config import Compile
 
 # Inductor's compute/communication reordering, on when a compiled block holds several independent
-# all-to-alls (chunked expert parallelism, ``[parallelism] expert_parallel_chunks`` > 1). Without it
-# inductor keeps each wait right after its collective, so the chunks overlap nothing. Session 7 ran
-# three builtin passes (sink_waits, raise_comms, reorder_compute_for_overlap): the combines overlapped,
-# but the forward's dispatch of chunk 1 still waited before chunk 0's experts. Session 9 found why
-# (bench/NOTES.md): in a training graph each collective depends on the previous collective's wait,
-# which no builtin pass can lift. ``unchained_reorder`` runs the builtin passes below with those
-# dependencies lifted, then sinks each wait and the compute that reads it down to its first reader.
-# On the trainer's graph (CPU, 2 gloo ranks, mega, 2 chunks, 1 layer; session 10, output code read
-# with TORCH_LOGS=output_code) the forward issues all four dispatch all-to-alls (rows and ids of both
-# chunks) before chunk 0's experts, chunk 0's combine travels under chunk 1's experts, and both
-# combines are awaited at the end; the backward issues both chunks' incoming-gradient all-to-alls
-# first and each chunk's outgoing dx under the next chunk's expert backward. Losses and grad norms
-# equal the builtin passes' run (8.1039 / 7.9610).
-# reorder_compute_for_overlap is left out: with CPU cost estimates it pulled waits back up; on the
-# GPU it is a candidate to measure.
+# all-to-alls (chunked expert parallelism, ``[parallelism] expert_parallel_chunks`` > 1): without it
+# inductor keeps each wait right after its collective and the chunks overlap nothing. In a training
+# graph each collective also depends on the previous collective's wait, which no builtin pass lifts,
+# so ``unchained_reorder`` runs these builtin passes with those dependencies lifted, then sinks each
+# wait and the compute reading it down to its first reader (docs/expert_parallel.md).
+# reorder_compute_for_overlap is left out: with CPU cost estimates it pulled waits back up.
 COMM_REORDER_PASSES = ("raise_comms", "sink_waits")
 
 

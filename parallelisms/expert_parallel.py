@@ -1,59 +1,21 @@
-"""Expert parallelism: each EP rank owns E/ep experts; tokens travel to the rank of their expert and
-back with all-to-all, autograd-correct, with no device-to-host sync.
+"""Expert parallelism: each EP rank owns E/ep experts; tokens travel to their expert's rank and back
+by all-to-all, autograd-correct, with no device-to-host sync (docs/expert_parallel.md).
 
-TorchTitan exchanges the split sizes and reads them on the host in every MoE layer. Here the
-buffers have a static capacity instead: each rank sends every peer exactly C rows,
-
-    C = min(ceil(capacity_factor x T x K / ep), T x min(K, E / ep))
-
-of which the first ``count`` are real (token, k) slots and the rest are empty (expert id -1, which
-every backend skips). Slots beyond C are dropped *and counted*: the trainer reads the count with the
-loss at the end of the step and stops before the optimizer applies an update computed without them
-(raise ``[parallelism] expert_capacity_factor``; a factor >= ep can never overflow).
-
-Expert weights are DTensors on the (dp_replicate, dp_shard_mod_ep, ep) mesh: experts split over
-``ep`` (Shard(0)), and within an EP rank's experts dim 1 (F for w1/w3, D for w2) split over
-``dp_shard_mod_ep`` (Shard(1)) -- FSDP's memory saving, done here rather than by a nested FSDP unit
-because FSDP's hooks on a submodule break a ``fullgraph`` compile of the block. The forward
-all-gathers the shard (in the compute dtype) with an autograd-aware collective whose backward is
-the reduce-scatter; :func:`finish_expert_grads` completes the reduction after backward.
-
-On the receiving rank the rows go straight into the MoE backend with their local expert ids as
-K = 1 routing; the backend groups them by expert itself (``mega`` gathers rows by index inside its
-GEMM, so no extra copy of the received rows is made). Routing weights are applied back on the
-source rank, in float32, when the k outputs of a token are summed, so the router's gradient never
-crosses the network.
-
-Overlap (``[parallelism] expert_parallel_chunks`` = P > 1): a layer's T tokens are split into P
-contiguous chunks (sizes differ by at most one; min(P, T) chunks, so P > T still works), each with
-its own send layout and capacity C_i = capacity(T_i, K). All chunks' dispatch all-to-alls are
-issued first; then each chunk runs the experts on its received rows and issues its combine
-all-to-all at once; the weighted sums over k come last. P = 1 is the unchunked path exactly.
-
-In eager, functional collectives return tensors that are waited on at first use (on GPU a stream
-dependency, not a host sync), so the dispatch of chunks 1..P-1 and the combine of chunk i travel
-while later chunks' GEMMs run. A compiled block is different: tracing puts each wait right after
-its collective, and inductor leaves it there unless its comm/compute reordering is on -- seen in
-the generated code of a CPU run: with inductor's defaults P > 1 overlaps nothing. So with P > 1
-and inductor the trainer turns that reordering on with its own pass (``parallelisms/compile.py``,
-which records what then overlaps: every chunk's dispatch is issued before the first chunk's experts,
-each chunk's combine travels under the next chunk's experts, and the backward mirrors it). The
-backward's all-to-alls are funcol's autograd formula.
-
-Every rank must run the same collectives in the same order, the backward's included, so a
-backend's output must depend on its input rows even when all of them are empty. ``grouped_mm`` and
-``mega`` compute empty rows and mask them, and so does the ``torch`` reference backend (it used to
-skip experts without rows: a rank that received no row at all then skipped the dispatch's backward
-all-to-all and the ranks fell out of step -- gloo aborted; likely with tiny chunks).
-
-Chunked pipelining is the first overlap method because it needs nothing beyond the NCCL
-all-to-all already used; pulling rows from peers through symmetric memory (no all-to-all at all)
-is left until multi-GPU machines are available to measure both. Because capacity is per chunk, a
-chunk can overflow where the whole layer would not have (and vice versa), so P > 1 drops
-differently from P = 1 only when the capacity binds; with a factor >= ep nothing is ever dropped.
-The cost: P times as many, P times smaller all-to-alls and expert GEMM launches per layer, plus a
-concatenation of the chunks' outputs. Whether that wins is unmeasured: multi-GPU machines have been
-withheld so far, so the default stays 1. Nothing here uses NVLink multicast (it must stay off).
+- Static capacity: each rank sends every peer exactly
+  ``C = min(ceil(capacity_factor x T x K / ep), T x min(K, E / ep))`` rows, the first ``count`` real
+  (token, k) slots and the rest empty (expert id -1, which every backend skips). Slots beyond C are
+  dropped and counted; the trainer stops before applying an update computed without them.
+- Expert weights are DTensors on the (dp_replicate, dp_shard_mod_ep, ep) mesh: Shard(0) over ``ep``,
+  Shard(1) over ``dp_shard_mod_ep``, all-gathered in the forward by an autograd-aware collective
+  (not a nested FSDP unit, whose hooks break a ``fullgraph`` compile of the block);
+  :func:`finish_expert_grads` completes the gradient reduction after backward.
+- Received rows enter the MoE backend with their local expert ids as K = 1 routing; routing weights
+  are applied on the source rank in float32, so the router's gradient never crosses the network.
+- ``expert_parallel_chunks`` = P > 1 splits a layer's tokens into P chunks: all dispatches are
+  issued first, each chunk's combine travels under the next chunk's experts (compiled, this needs
+  the reorder pass in ``parallelisms/compile.py``). P = 1 is the unchunked path exactly.
+- Every rank must run the same collectives in the same order, so a backend's output must depend on
+  its input rows even when all of them are empty (all backends compute empty rows and mask them).
 """
 
 from __future__ import annotations
