@@ -72,11 +72,11 @@ def test_help_lists_sections_fields_and_defaults(capsys):
     assert out == config_help() + "\n"
 
 
-def test_readme_config_reference_is_current():
+def test_docs_config_reference_is_current():
     from pathlib import Path
 
     from components.config import config_markdown
 
-    readme = Path("README.md").read_text()
-    block = readme.split("<!-- config-reference -->\n", 1)[1].split("<!-- /config-reference -->", 1)[0]
+    page = (Path(__file__).resolve().parent.parent / "docs" / "config.md").read_text()
+    block = page.split("<!-- config-reference -->\n", 1)[1].split("<!-- /config-reference -->", 1)[0]
     assert block.strip() == config_markdown().strip(), "regenerate with: python scripts/regen_config_reference.py"
