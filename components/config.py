@@ -418,7 +418,7 @@ def to_dict(cfg: JobConfig) -> dict[str, dict[str, Any]]:
 
 
 def config_markdown() -> str:
-    """The config reference as markdown tables, as the README shows it (a test keeps them equal)."""
+    """The config reference as markdown tables, as docs/config.md shows it (a test keeps them equal)."""
     out = []
     for section, sf in _sections().items():
         section_cls = sf.default_factory
