@@ -109,9 +109,9 @@ def _assert_tight(got, want, name, msg, magnitude=None, requantized=False):
     bf16 flip of that value (fp32 vs float64 accumulation, exp) can move an e4m3 code by 2^-4, and
     when it is the block's amax, every code of the 1 x 128 block; then a few percent of the
     output's entries move by several ulp. Measured over 85 random seeds for each of three cases
-    (session 3, CPU interpreter): median 0 entries beyond an ulp, worst 3.7% beyond and 5.3e-3 in
-    norm; the old bounds (0.1% and TIGHT_BOUND) failed for seeds 30276324, 3219381421, 3221972463. A real kernel bug (a wrong tile,
-    a wrong scale) moves a whole tile by far more than this; the exact stage checks
+    (CPU interpreter): median 0 entries beyond an ulp, worst 3.7% beyond and 5.3e-3 in norm; 0.1%
+    and TIGHT_BOUND were too tight. A real kernel bug (a wrong tile, a wrong scale) moves a whole
+    tile by far more than this; the exact stage checks
     (``_check_dh_quantization``, tests/test_fp8.py GEMMs on shared operands) stay bitwise/tight."""
     got, want = got.double(), want.double()
     mag = want.abs() if magnitude is None else torch.maximum(want.abs(), magnitude.double())
@@ -121,7 +121,7 @@ def _assert_tight(got, want, name, msg, magnitude=None, requantized=False):
     if _HAS_CUDA:
         # sm_90's FP8 MMA accumulates each 128-long K block in reduced precision (~14 bits,
         # tests/test_fp8.py::_gemm_tol): on the H200 0.5-0.9% of H entries and 6-10% of y and dx
-        # entries were beyond an ulp (session 3, norms within the bounds); per-element checks can
+        # entries were beyond an ulp (norms within the bounds); per-element checks can
         # only catch gross errors there, the norm bounds stay.
         frac_bound = 0.25 if requantized else 2e-2
     assert rel < norm_bound, f"{name}: {rel:.2e} from the quantized-pipeline reference; {msg}"
@@ -172,7 +172,7 @@ def _check(T, K, E, D, F, kind, outliers=False, wgrad="fp8", pow2=False, dh_quan
                                                       with_magnitude=True)
     # dtopk_weights sums dA' * act over F, terms that cancel: an ulp is taken of their magnitude (on
     # the H200, where dA' carries the FP8 MMA's ~14-bit accumulation, 1-3 of 42 entries were beyond
-    # an ulp of the cancelled sum itself at T 21, D 200: Run 19).
+    # an ulp of the cancelled sum itself at T 21, D 200).
     mags = (dx_mag, None, None, None, ds_mag)
     for name, g, w, m in zip(("x", "w1", "w3", "w2", "topk_weights"), (grads[0], *grads[2:], grads[1]), want, mags):
         _assert_tight(g, w, f"d{name}", msg, m, requantized=name != "topk_weights")
