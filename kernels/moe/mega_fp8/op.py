@@ -45,8 +45,8 @@ _Tensors5 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.
 class MegaFP8Options:
     """Knobs of the ``mega_fp8`` backend.
 
-    wgrad: "fp8" (default) computes dW1, dW3, dW2 with ``kernels.fp8.grouped_gemm.fp8_wgrad`` on operands
-        quantized 128 x 1 along each expert's tokens; "bf16" runs the bf16 mega kernels (``dw13``,
+    wgrad: "fp8" (default) computes dW1, dW3, dW2 with ``kernels.fp8.grouped_gemm.fp8_wgrad`` on
+        operands quantized 128 x 1 along each expert's tokens; "bf16" runs the bf16 mega kernels (``dw13``,
         ``dw2``) on the unquantized dH, x, dy and s * A (the weight gradients then carry only the
         error of the FP8 dgrad that produced dH). The bf16 path is slower but keeps the FP8
         rounding out of the weight gradients: a numerical choice, not a speed one.
