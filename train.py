@@ -186,9 +186,9 @@ class Trainer:
         if mode is not None:
             pow2 = False
             if mode == "fp8_blockwise":
-                from kernels.moe.mega_fp8 import get_options
+                from kernels.moe.mega_fp8 import MegaFP8Options
 
-                pow2 = get_options().pow2_scales
+                pow2 = MegaFP8Options().pow2_scales  # the options the model's mega_fp8 calls run with
             enable_expert_weight_cache(self.model, mode, dtype, pow2)
         return mode
 

@@ -1,18 +1,18 @@
-"""Why the block-scaled FP8 grouped GEMM ran at the bf16 rate: one kernel in variants (Run 19).
+"""Where the block-scaled FP8 grouped GEMM's K loop spends its time: one kernel in variants.
 
     python -m bench.fp8_gemm_variants          # on the H200: table of ms, TFLOP/s, error
     TRITON_INTERPRET=1 python -m bench.fp8_gemm_variants --cpu   # modes 0, 1, 3-5 checked on CPU
 
 One grouped GEMM over expert-sorted rows (no gather), balanced routing, T 16384 top-8 E 128, at the
 30B down shape (K 768, N 2048) and a gate/up-like one (K 2048, N 1536), in variants:
-MODE 0: acc + dot(a, b) * sa[:, None] * sb[None, :]   (the loop before session 7: 2 muls + 1 add)
+MODE 0: acc + dot(a, b) * sa[:, None] * sb[None, :]   (2 muls + 1 add)
 MODE 1: acc + dot(a, b) * (sa * sb)[:, None]          (sb a scalar when BN == 128: one FMA)
 MODE 2: acc = dot(a, b, acc)                          (no scales: Triton's FP8 ceiling here)
 MODE 3: MODE 1 lagged by one block
 MODE 4/5: MODE 1 with the scales loaded one / two blocks ahead
 TMA: A and B through host tensor descriptors; WS: tl.range(warp_specialize=True).
 Also bf16 operands in MODE 2, torch._scaled_mm rowwise and a bf16 matmul, dense, at the same sizes.
-Production's kernels/fp8/grouped_gemm.py took MODE 4's loop; TMA is the measured next step.
+kernels/fp8/grouped_gemm.py runs MODE 4's loop, through TMA where A's rows are not gathered.
 """
 import sys
 
@@ -23,18 +23,14 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.fp8 import grouped_gemm as G
 from kernels.fp8 import blockwise as Q
-from kernels.triton_utils import tile_rows
+from kernels.fp8.grouped_gemm import _m_tile
 from kernels.moe.routing import sort_by_expert, tile_table
 
 
 @triton.jit
 def _xk(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, offsets_ptr, table_ptr, num_tiles, N, K, a_desc, b_desc,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
-    expert, rows, rmask, safe_rows = tile_rows(table_ptr, offsets_ptr, num_tiles, pid_m, BLOCK_M)
+    pid_m, pid_n, expert, rows, rmask, safe_rows = _m_tile(table_ptr, offsets_ptr, num_tiles, N, BLOCK_M, BLOCK_N)
     if expert < 0:
         return
     row0 = tl.load(table_ptr + num_tiles + pid_m)

@@ -4,7 +4,7 @@
     python -m bench.fp8_kernels --sweep    # launch-parameter sweep of the three FP8 GEMMs, 30B shape
 
 Prints time, TFLOP/s (GEMMs, counting only routed rows) and GB/s (quantization: bytes read +
-written). The GEMM block sizes are untuned first guesses (see grouped_gemm._block_sizes).
+written). The GEMM block sizes are grouped_gemm._block_sizes' defaults.
 Then :func:`time_moe_ops`: the whole ``mega_fp8`` op (forward, forward + backward), quantizing its
 weights per call and with them pre-quantized (the trainer's expert weight cache), next to the bf16
 ``mega`` op on the same inputs, with their ratios.
@@ -55,28 +55,17 @@ def main(T: int = 16384, top_k: int = 8, E: int = 128) -> None:
         q("quantize_dual x (T,D)", lambda: Q.quantize_dual(x), T * D * 4)
         q("quantize_cols_grouped x gathered", lambda: Q.quantize_cols_grouped(x, offs, slots, top_k, tiles=tiles), N * D * 3)
         q("quantize_weight w1 (E,F,D)", lambda: Q.quantize_weight(w1), E * F * D * 3)
-        # The expert weight cache's refresh from float32 masters: since session 9 one quantization pass
-        # per weight writing both layouts, rounding to bf16 inside it; session 8: a bf16 cast, then that
-        # pass; before Run 22, the casts, five quantizations, a byte transpose of w2 and a torch.cat of
-        # w1's and w3's transposes (Run 22 profile: 13.5 ms). GB/s: bytes of the before-Run-22 path.
-        from kernels.moe.mega_fp8.backward import _transposed
+        # The expert weight cache's refresh from float32 masters: one quantization pass per weight
+        # writing every layout, rounding to bf16 inside it (the trainer's), against a bf16 cast first.
+        # GB/s: the bytes of the cast path.
         from kernels.moe.mega_fp8.weights import QuantizedExpertWeights
 
         masters = [w.float() for w in (w1, w3, w2)]
         cache = QuantizedExpertWeights.empty(E, F, D, dev)
-
-        def refresh_before():
-            b1, b3, b2 = (m.to(torch.bfloat16) for m in masters)
-            (q1, s1), (q3, s3), (q2, s2) = (Q.quantize_weight(b) for b in (b1, b3, b2))
-            _transposed(q2), s2.mT.contiguous()
-            (h1, t1), (h3, t3) = (Q.quantize_weight(b) for b in (b1, b3))
-            torch.cat([h1.view(torch.uint8).mT, h3.view(torch.uint8).mT], 2), torch.cat([t1.mT, t3.mT], 2).contiguous()
-
         q("weight refresh, cast + one pass", lambda: QuantizedExpertWeights.quantize(
             *(m.to(torch.bfloat16) for m in masters), out=cache), 3 * E * F * D * 6)
         q("weight refresh, one pass rounding fp32", lambda: QuantizedExpertWeights.quantize(
             *masters, out=cache, round_bf16=True), 3 * E * F * D * 6)
-        q("weight refresh, before Run 22", refresh_before, 3 * E * F * D * 6)
         xq, xs = Q.quantize_1x128(x)
         w1q, w1s = Q.quantize_weight(w1)
         w3q, w3s = Q.quantize_weight(w3)
@@ -86,10 +75,9 @@ def main(T: int = 16384, top_k: int = 8, E: int = 128) -> None:
         _, a, (aq, as_) = G.fp8_gate_up_swiglu(xq, xs, w1q, w1s, w3q, w3s, slots, offs, top_k, quantize_a=True)
         g("down (A sorted)", lambda: G.fp8_grouped_gemm(aq, as_, w2q, w2s, offs), 2 * N * F * D)
         dh = torch.randn(N, F, device=dev, dtype=torch.bfloat16)
-        atq, ats = Q.quantize_cols_grouped(dh, offs, tiles=tiles, padded=True)
-        btq, bts = Q.quantize_cols_grouped(x, offs, slots, top_k, tiles=tiles, padded=True)
-        g("wgrad dW1 = dH^T x (K-grouped, padded)", lambda: G.fp8_wgrad(atq, ats, btq, bts, offs, padded=True),
-          2 * N * F * D)
+        atq, ats = Q.quantize_cols_grouped(dh, offs, tiles=tiles)
+        btq, bts = Q.quantize_cols_grouped(x, offs, slots, top_k, tiles=tiles)
+        g("wgrad dW1 = dH^T x (K-grouped)", lambda: G.fp8_wgrad(atq, ats, btq, bts, offs), 2 * N * F * D)
         print("\n".join(rows), flush=True)
 
 
@@ -104,26 +92,17 @@ def _moe_inputs(T, D, F, E, top_k, device):
     return x, ids, s, *ws, torch.randn(T, D, device=device, dtype=torch.bfloat16)
 
 
-def _with_bf16_wgrad(fn, quantized, *args):
-    """The cached FP8 op with ``wgrad = "bf16"`` (the option is read at forward, kept for backward)."""
-    from kernels.moe.mega_fp8 import options
-
-    with options(wgrad="bf16"):
-        return fn(*args, quantized=quantized)
-
-
 def time_moe_ops(T=16384, top_k=8, E=128, shapes=SHAPES, iters=20, device="cuda", timer=None) -> list[str]:
     """Median ms of the whole MoE op, forward and forward + backward: bf16 ``mega``, ``mega_fp8``
     quantizing its weights per call, and ``mega_fp8`` as the trainer runs it with the expert weight
     cache (``cached``: e4m3 copies made beforehand, float32 master weights as gradient carriers,
-    their gradients written in float32); the cached op also with ``wgrad = "bf16"``, and with Run
-    21's defaults (no TMA, the fused dH kernel) for reference. Each row's ratio is bf16 ``mega`` / it.
-    (Run 23 timed two more options here, both slower and since removed: bench/NOTES.md.)
+    their gradients written in float32); the cached op also with ``wgrad = "bf16"``. Each row's
+    ratio is bf16 ``mega`` / it.
 
     ``timer(fn, iters)`` returns ms (default: CUDA events, :func:`bench.timing.time_ms`); the tests run
     this at a tiny size on CPU with a wall clock to exercise the code paths.
     """
-    from kernels.moe.mega_fp8 import backward as B
+    from kernels.moe.mega_fp8 import MegaFP8Options
     from kernels.moe.mega_fp8.weights import QuantizedExpertWeights
 
     timer = timer or time_ms
@@ -133,18 +112,16 @@ def time_moe_ops(T=16384, top_k=8, E=128, shapes=SHAPES, iters=20, device="cuda"
         quantized = QuantizedExpertWeights.quantize(w1, w3, w2)
         cached = functools.partial(get_moe_backend("mega_fp8"), quantized=quantized)
         master = (w1.float(), w3.float(), w2.float())
-        # label -> (op, weights, option switches to set for the row: {(module, name): value})
+        # label -> (op, weights)
         variants = {
-            "mega (bf16)": (get_moe_backend("mega"), (w1, w3, w2), {}),
-            "mega_fp8, weights quantized per call": (get_moe_backend("mega_fp8"), (w1, w3, w2), {}),
-            "mega_fp8 cached": (cached, master, {}),
-            "  + bf16 wgrad": (functools.partial(_with_bf16_wgrad, get_moe_backend("mega_fp8"), quantized),
-                               master, {}),
-            "  Run 21 defaults (no TMA, fused dH)": (cached, master, {(G, "USE_TMA"): False, (B, "DH_SPLIT"): False}),
+            "mega (bf16)": (get_moe_backend("mega"), (w1, w3, w2)),
+            "mega_fp8, weights quantized per call": (get_moe_backend("mega_fp8"), (w1, w3, w2)),
+            "mega_fp8 cached": (cached, master),
+            "  + bf16 wgrad": (functools.partial(cached, options=MegaFP8Options(wgrad="bf16")), master),
         }
         flops = 2 * T * top_k * D * F * 3  # forward: gate, up, down
         ms = {}
-        for label, (fn, ws, flags) in variants.items():
+        for label, (fn, ws) in variants.items():
             leaves = [t.clone().requires_grad_() for t in (x, s, *ws)]
 
             def fwd(fn=fn, ws=ws):
@@ -154,14 +131,7 @@ def time_moe_ops(T=16384, top_k=8, E=128, shapes=SHAPES, iters=20, device="cuda"
             def fwd_bwd(fn=fn, leaves=leaves):
                 torch.autograd.grad(fn(leaves[0], ids, *leaves[1:]), leaves, dy)
 
-            saved = {(m, k): getattr(m, k) for m, k in flags}
-            for (m, k), v in flags.items():  # module flags, read at each launch
-                setattr(m, k, v)
-            try:
-                ms[label] = (timer(fwd, iters), timer(fwd_bwd, iters))
-            finally:
-                for (m, k), v in saved.items():
-                    setattr(m, k, v)
+            ms[label] = (timer(fwd, iters), timer(fwd_bwd, iters))
         f16, fb16 = ms["mega (bf16)"]
         rows.append(f"{name} T={T} top-{top_k} E={E}: fwd ms, fwd+bwd ms (fwd+bwd TFLOP/s, bf16 mega / it)")
         for label, (f, fb) in ms.items():
@@ -173,10 +143,8 @@ def time_moe_ops(T=16384, top_k=8, E=128, shapes=SHAPES, iters=20, device="cuda"
 def sweep(T: int = 16384, top_k: int = 8, E: int = 128, D: int = 2048, F: int = 768, device: str = "cuda",
           timer=None) -> list[str]:
     """Time each FP8 GEMM over launch parameters on one input (30B expert shape, balanced routing:
-    each expert gets exactly T * top_k / E rows), and the wgrad kernel on both operand layouts of
-    ``quantize_cols_grouped`` (unpadded: tiles at the experts' row offsets, masked loads; padded:
-    tile t at column 128 t). Run 12 found the unpadded layout at ~55 TFLOP/s, the padded at ~395;
-    an alignment hint on the unpadded one's offsets changed nothing (removed since)."""
+    each expert gets exactly T * top_k / E rows), TMA on and off where the GEMMs take both, and the
+    token-dim quantization over its block widths."""
     dev, timer = device, timer or _ms
     N = T * top_k
     x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
@@ -191,8 +159,6 @@ def sweep(T: int = 16384, top_k: int = 8, E: int = 128, D: int = 2048, F: int = 
     w2q, w2s = Q.quantize_weight(w2)
     _, _, (aq, as_) = G.fp8_gate_up_swiglu(xq, xs, w1q, w1s, w3q, w3s, slots, offs, top_k, quantize_a=True)
     dh = torch.randn(N, F, device=dev, dtype=torch.bfloat16)
-    atq, ats = Q.quantize_cols_grouped(dh, offs)
-    btq, bts = Q.quantize_cols_grouped(x, offs, slots, top_k)
     flops = 2 * N * D * F
     rows = []
 
@@ -206,21 +172,19 @@ def sweep(T: int = 16384, top_k: int = 8, E: int = 128, D: int = 2048, F: int = 
             rows.append(f"{label:52s} failed: {type(exc).__name__}: {str(exc)[:60]}")
         print(rows[-1], flush=True)
 
-    for bm, warps, stages, tma in ((64, 8, 3, False), (128, 8, 3, False), (64, 4, 3, False), (128, 8, 4, False),
-                                   (128, 8, 3, True), (64, 4, 3, True), (128, 8, 4, True)):
+    for bm, warps, stages in ((64, 8, 3), (128, 8, 3), (64, 4, 3), (128, 8, 4)):
         tiles = tile_table(offs, N, bm)
-        for pf in (True, False):  # the scales loaded one K block ahead, or at their block
-            t(f"gate_up+quantA bm{bm} bn128 w{warps} s{stages}{' tma' if tma else ''}{'' if pf else ' no-prefetch'}",
-              lambda: G.fp8_gate_up_swiglu(
-                  xq, xs, w1q, w1s, w3q, w3s, slots, offs, top_k, quantize_a=True, store_a=False, tiles=tiles,
-                  block_m=bm, num_warps=warps, num_stages=stages, tma=tma, prefetch=pf), 2 * flops)
+        t(f"gate_up+quantA bm{bm} bn128 w{warps} s{stages}", lambda: G.fp8_gate_up_swiglu(
+            xq, xs, w1q, w1s, w3q, w3s, slots, offs, top_k, quantize_a=True, store_a=False, tiles=tiles,
+            block_m=bm, num_warps=warps, num_stages=stages), 2 * flops)
     for bm, bn, warps, stages, tma in ((64, 128, 4, 4, False), (64, 128, 4, 3, False), (128, 128, 8, 3, False),
                                        (64, 128, 4, 3, True), (64, 128, 4, 4, True), (128, 128, 8, 3, True)):
         tiles = tile_table(offs, N, bm)
         t(f"down bm{bm} bn{bn} w{warps} s{stages}{' tma' if tma else ''}", lambda: G.fp8_grouped_gemm(
             aq, as_, w2q, w2s, offs, tiles=tiles, block_m=bm, block_n=bn, num_warps=warps,
             num_stages=stages, tma=tma), flops)
-    # The backward's M-tiled FP8 kernels: dA' + SwiGLU backward (dh, its own kernel) and dX.
+    # The backward's M-tiled FP8 kernels: dA' (a gathered fp8_grouped_gemm) + the SwiGLU backward
+    # kernel, and dX.
     from kernels.moe.mega_fp8 import backward as B
 
     dy = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
@@ -228,11 +192,8 @@ def sweep(T: int = 16384, top_k: int = 8, E: int = 128, D: int = 2048, F: int = 
     w2t_q, w2t_s = B._transposed(w2q), w2s.mT.contiguous()
     h, _, _ = G.fp8_gate_up_swiglu(xq, xs, w1q, w1s, w3q, w3s, slots, offs, top_k)
     s_TK = torch.rand(T, top_k, device=dev)
-    for bm, warps, stages in ((64, 8, 3), (64, 4, 3), (64, 8, 4), (32, 4, 3), (128, 8, 3)):
-        t(f"dh (dA' + SwiGLU bwd) bm{bm} w{warps} s{stages}", lambda: B.dh_swiglu(
-            dyq, dys, w2t_q, w2t_s, h, s_TK, slots, offs, block_m=bm, num_warps=warps, num_stages=stages), flops)
-    t("dh split (fp8_grouped_gemm fp32 dA' + epilogue kernel)", lambda: B.dh_swiglu(
-        dyq, dys, w2t_q, w2t_s, h, s_TK, slots, offs, split=True), flops)
+    t("dh (fp8_grouped_gemm fp32 dA' + SwiGLU backward kernel)", lambda: B.dh_swiglu(
+        dyq, dys, w2t_q, w2t_s, h, s_TK, slots, offs), flops)
     _, (dhq, dhs), _, _ = B.dh_swiglu(dyq, dys, w2t_q, w2t_s, h, s_TK, slots, offs)
     w13t_q, w13t_s = B.dx_weight(w1, w3)
     for bm, bn, warps, stages, tma in ((64, 128, 4, 4, False), (128, 128, 8, 3, False), (64, 128, 4, 3, True),
@@ -241,24 +202,21 @@ def sweep(T: int = 16384, top_k: int = 8, E: int = 128, D: int = 2048, F: int = 
         t(f"dX bm{bm} bn{bn} w{warps} s{stages}{' tma' if tma else ''}", lambda: G.fp8_grouped_gemm(
             dhq, dhs, w13t_q, w13t_s, offs, tiles=tiles, block_m=bm, block_n=bn, out_slot_N=slots,
             num_warps=warps, num_stages=stages, tma=tma), 2 * flops)
-    t("wgrad unpadded bm128 bn128 w8 s3", lambda: G.fp8_wgrad(
-        atq, ats, btq, bts, offs, block_m=128, block_n=128, num_warps=8, num_stages=3), flops)
-    # The padded layout (quantize_cols_grouped(padded=True)): every tile at a multiple of 128.
-    atp, atps = Q.quantize_cols_grouped(dh, offs, padded=True)
-    btp, btps = Q.quantize_cols_grouped(x, offs, slots, top_k, padded=True)
+    # The token-dim operands of the wgrad: every tile at a multiple of 128 columns.
+    atp, atps = Q.quantize_cols_grouped(dh, offs)
+    btp, btps = Q.quantize_cols_grouped(x, offs, slots, top_k)
     for bk, warps in ((64, 4), (32, 4), (128, 4), (128, 8), (256, 8)):
         # bytes: x read in bf16 (gathered), written in e4m3
-        t(f"quantize_cols_grouped x gathered padded bk{bk} w{warps}", lambda: Q.quantize_cols_grouped(
-            x, offs, slots, top_k, padded=True, block_k=bk, num_warps=warps), N * D * 3, "GB/s")
+        t(f"quantize_cols_grouped x gathered bk{bk} w{warps}", lambda: Q.quantize_cols_grouped(
+            x, offs, slots, top_k, block_k=bk, num_warps=warps), N * D * 3, "GB/s")
     for bk in (32, 64):  # the backward's other operands: dH (N, 2F) and dy's sorted rows, not gathered
-        t(f"quantize_cols_grouped dH padded bk{bk} w4", lambda: Q.quantize_cols_grouped(
-            dh, offs, padded=True, block_k=bk), N * F * 3, "GB/s")
+        t(f"quantize_cols_grouped dH bk{bk} w4", lambda: Q.quantize_cols_grouped(
+            dh, offs, block_k=bk), N * F * 3, "GB/s")
     for bm, bn, warps, stages, tma in ((128, 128, 8, 3, False), (64, 128, 4, 4, False), (128, 256, 8, 3, False),
                                        (64, 128, 4, 4, True), (64, 128, 4, 3, True), (128, 128, 8, 3, True)):
-        t(f"wgrad padded bm{bm} bn{bn} w{warps} s{stages}{' tma' if tma else ''}", lambda: G.fp8_wgrad(
+        t(f"wgrad bm{bm} bn{bn} w{warps} s{stages}{' tma' if tma else ''}", lambda: G.fp8_wgrad(
             atp, atps, btp, btps, offs, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
-            padded=True, tma=tma), flops)
-    print(f"wgrad padded == unpadded: {torch.equal(G.fp8_wgrad(atq, ats, btq, bts, offs), G.fp8_wgrad(atp, atps, btp, btps, offs, padded=True))}")
+            tma=tma), flops)
     print("\n".join(rows))
     return rows
 

@@ -1,13 +1,9 @@
 """The FP8 attention projections (``[quantize] linear = "fp8_rowwise"``, kernels/fp8/rowwise.py)
 against bf16, compiled by inductor as the trainer runs them, forward + backward, at the
-Qwen3-30B-A3B projection shapes; the custom-op implementation (training's) and the three modes of
-the autograd.Function it replaced, each checked against float64 and timed.
+Qwen3-30B-A3B projection shapes; each checked against float64 and timed.
 
     python -m bench.fp8_linear                 # T 16384, the four projections of a 30B-A3B layer
 
-Run 17 found every mode of the autograd.Function wrong compiled on CUDA (zero tangent under
-AOTAutograd; kernels/fp8/rowwise.py says more); the custom ops replace it. The table says which are
-right and what each costs against bf16.
 ``--device cpu --timer wall --tokens 64 --only wk`` runs it tiny on CPU (the tests).
 """
 
@@ -24,9 +20,7 @@ from bench.timing import time_ms, wall_ms
 # (name, in features K, out features N) of a Qwen3-30B-A3B attention block: 32 query heads and 4
 # KV heads of 128 over a 2048-wide residual stream.
 PROJECTIONS = [("wq", 2048, 4096), ("wk", 2048, 512), ("wv", 2048, 512), ("wo", 4096, 2048)]
-# name -> (IMPLEMENTATION, BACKWARD_MODE)
-MODES = {"custom_op": ("custom_op", "opaque"), "fn_opaque": ("function", "opaque"),
-         "fn_opaque_mm": ("function", "opaque_mm"), "fn_traced": ("function", "traced")}
+MODES = ("bf16", "fp8")
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -45,51 +39,46 @@ def main(argv: list[str] | None = None) -> list[dict]:
     timer = time_ms if args.timer == "cuda" else wall_ms
     dev = args.device
     rows = []
-    saved = R.IMPLEMENTATION, R.BACKWARD_MODE
-    try:
-        for name, K, N in projections:
-            gen = torch.Generator().manual_seed(0)
-            x = torch.randn(args.tokens, K, generator=gen)
-            w = torch.randn(N, K, generator=gen) / K**0.5
-            dy = torch.randn(args.tokens, N, generator=gen) * 1e-4  # a deep model's gradient size
-            x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
-            y64 = x64 @ w64.t()
-            y64.backward(dy.double())
-            x_d, w_d, dy_d = x.to(dev, torch.bfloat16), w.to(dev), dy.to(dev, torch.bfloat16)
+    for name, K, N in projections:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(args.tokens, K, generator=gen)
+        w = torch.randn(N, K, generator=gen) / K**0.5
+        dy = torch.randn(args.tokens, N, generator=gen) * 1e-4  # a deep model's gradient size
+        x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+        y64 = x64 @ w64.t()
+        y64.backward(dy.double())
+        x_d, w_d, dy_d = x.to(dev, torch.bfloat16), w.to(dev), dy.to(dev, torch.bfloat16)
 
-            def variant(fp8: bool):
-                def f(a, b):
-                    with torch.autocast(dev, dtype=torch.bfloat16):
-                        return R.fp8_linear(a, b, torch.bfloat16) if fp8 else F.linear(a, b)
-                return torch.compile(f, fullgraph=True)
+        def variant(fp8: bool):
+            def f(a, b):
+                with torch.autocast(dev, dtype=torch.bfloat16):
+                    return R.fp8_linear(a, b, torch.bfloat16) if fp8 else F.linear(a, b)
+            return torch.compile(f, fullgraph=True)
 
-            for mode in ("bf16", *MODES):
-                torch._dynamo.reset()
-                R.IMPLEMENTATION, R.BACKWARD_MODE = saved if mode == "bf16" else MODES[mode]
-                fn = variant(mode != "bf16")
-                a = x_d.clone().requires_grad_()
-                b = w_d.clone().requires_grad_()
-                y = fn(a, b)
-                y.backward(dy_d)
-                errs = {"y": rel(y.float().cpu(), y64), "dx": rel(a.grad.float().cpu(), x64.grad),
-                        "dw": rel(b.grad.float().cpu(), w64.grad)}
+        for mode in MODES:
+            torch._dynamo.reset()
+            fn = variant(mode == "fp8")
+            a = x_d.clone().requires_grad_()
+            b = w_d.clone().requires_grad_()
+            y = fn(a, b)
+            y.backward(dy_d)
+            errs = {"y": rel(y.float().cpu(), y64), "dx": rel(a.grad.float().cpu(), x64.grad),
+                    "dw": rel(b.grad.float().cpu(), w64.grad)}
 
-                def step():
-                    a.grad = b.grad = None
-                    fn(a, b).backward(dy_d)
+            def step():
+                a.grad = b.grad = None
+                fn(a, b).backward(dy_d)
 
-                ms = timer(step, args.iters)
-                rows.append({"proj": name, "mode": mode, "ms": ms, **errs})
-                print(f"{name} {mode:10s} {ms:8.3f} ms  y {errs['y']:.4f} dx {errs['dx']:.4f} dw {errs['dw']:.4f}",
-                      flush=True)
-    finally:
-        R.IMPLEMENTATION, R.BACKWARD_MODE = saved
-    print("\n| projection (K -> N) | bf16 ms | " + " | ".join(f"{m} ms (max rel. err.)" for m in MODES) + " |")
-    print("| --- | --- |" + " --- |" * len(MODES))
+            ms = timer(step, args.iters)
+            rows.append({"proj": name, "mode": mode, "ms": ms, **errs})
+            print(f"{name} {mode:5s} {ms:8.3f} ms  y {errs['y']:.4f} dx {errs['dx']:.4f} dw {errs['dw']:.4f}",
+                  flush=True)
+    print("\n| projection (K -> N) | " + " | ".join(f"{m} ms (max rel. err.)" for m in MODES) + " |")
+    print("| --- |" + " --- |" * len(MODES))
     for name, K, N in projections:
         by = {r["mode"]: r for r in rows if r["proj"] == name}
         cells = [f"{by[m]['ms']:.3f} ({max(by[m]['y'], by[m]['dx'], by[m]['dw']):.3f})" for m in MODES]
-        print(f"| {name} ({K} -> {N}) | {by['bf16']['ms']:.3f} | " + " | ".join(cells) + " |")
+        print(f"| {name} ({K} -> {N}) | " + " | ".join(cells) + " |")
     return rows
 
 

@@ -428,7 +428,7 @@ def test_gate_up_swiglu(routing):
     torch.testing.assert_close(h[:n, F:].double(), u[:n], **tol, msg=_m(msg))
     # The epilogue against SwiGLU of the kernel's own gate/up: a_ref from the reference's g, u would
     # carry their GEMM error, amplified where silu bends (on the H200, FP8 accumulation error within
-    # _gemm_tol moved 1-2% of A entries by up to 6%, session 3).
+    # _gemm_tol moved 1-2% of A entries by up to 6%).
     hg, hu = h[:n, :F].double(), h[:n, F:].double()
     a_own = torch.nn.functional.silu(hg) * hu
     torch.testing.assert_close(a[:n].double(), a_own, rtol=1e-4, atol=1e-5 * a_own.abs().max().clamp(min=1e-30), msg=_m(msg))
@@ -482,11 +482,10 @@ def test_scalar_and_vector_weight_scales_agree(routing):
     ids=lambda r: f"T{r[0]}k{r[1]}E{r[2]}-{r[3]}",
 )
 def test_cols_grouped_and_wgrad(routing, pow2):
-    """Token-dim quantization per expert 128-row block (gathered x, sorted dH), bit-exact vs the
-    reference, and dW[e] = dH_e^T @ x_e: tight vs float64 of the dequantized operands, FP8-level vs
-    the unquantized product, exact zeros for an expert with no rows. The same in the padded layout
-    (one zero-filled 128-column block per tile): bit-exact vs its reference and vs the unpadded
-    bytes and scales, and its wgrad equal to the unpadded one."""
+    """Token-dim quantization per expert 128-row block (gathered x, sorted dH), one zero-filled
+    128-column block per tile: bit-exact vs the reference (padding included, surplus tiles zero),
+    and dW[e] = dH_e^T @ x_e: tight vs float64 of the dequantized operands, FP8-level vs the
+    unquantized product, exact zeros for an expert with no rows."""
     seed = _seed()
     T, K, E, kind = routing
     D, F = 72, 48
@@ -494,13 +493,17 @@ def test_cols_grouped_and_wgrad(routing, pow2):
     x = _input(T, D, torch.bfloat16, zeros=False)
     slots, offs = sort_by_expert(_routing(T, K, E, kind), E)
     dh = torch.randn(T * K, F, device=DEVICE)
-    n = _covered(offs)
 
     btq, bts = Q.quantize_cols_grouped(x, offs, slots, K, pow2)
     atq, ats = Q.quantize_cols_grouped(dh, offs, None, 1, pow2)
+    n_tiles = bts.shape[1]
+    real = torch.arange(128)[None, :] < _tile_rows(offs.cpu(), n_tiles)[:, None]  # (n_tiles, 128)
     for got, src, sl in (((btq, bts), x, slots), ((atq, ats), dh, None)):
+        gmsg = f"{msg} {'gathered' if sl is not None else 'sorted'}"
         want = Q.quantize_cols_grouped_ref(src, offs, sl, K if sl is not None else 1, pow2)
-        _assert_same_q((got[0][:, :n], got[1]), (want[0][:, :n], want[1]), msg)
+        _assert_same_q(got, want, gmsg)
+        q3 = _bytes(got[0]).view(-1, n_tiles, 128).cpu()
+        assert (q3[:, ~real] == 0).all(), f"{gmsg}: padding or surplus tiles not zero"
 
     dw = G.fp8_wgrad(atq, ats, btq, bts, offs)
     ref = G.fp8_wgrad_ref(atq, ats, btq, bts, offs)
@@ -511,33 +514,6 @@ def test_cols_grouped_and_wgrad(routing, pow2):
     exact = torch.stack([dh[offs[e] : offs[e + 1]].double().t() @ xg[offs[e] : offs[e + 1]] for e in range(E)])
     rel = ((dw.double() - exact).norm() / exact.norm()).item()
     assert rel < 0.06, f"{msg}: relative error vs unquantized {rel}"
-
-    # Padded layout: tile i in columns [128 i, 128 i + 128), its rows first, then zeros; surplus
-    # tiles all zeros. Bit for bit vs the reference (padding included), and the same bytes and
-    # scales as the unpadded layout, moved.
-    n_tiles = bts.shape[1]
-    real = torch.arange(128)[None, :] < _tile_rows(offs.cpu(), n_tiles)[:, None]  # (n_tiles, 128)
-    padded = []
-    for (uq, us), src, sl in (((btq, bts), x, slots), ((atq, ats), dh, None)):
-        k = K if sl is not None else 1
-        got = Q.quantize_cols_grouped(src, offs, sl, k, pow2, padded=True)
-        pmsg = f"{msg} padded {'gathered' if sl is not None else 'sorted'}"
-        _assert_same_q(got, Q.quantize_cols_grouped_ref(src, offs, sl, k, pow2, padded=True), pmsg)
-        q3 = _bytes(got[0]).view(-1, n_tiles, 128).cpu()
-        assert (q3[:, ~real] == 0).all(), f"{pmsg}: padding or surplus tiles not zero"
-        assert torch.equal(q3[:, real], _bytes(uq)[:, :n].cpu()), f"{pmsg}: rows differ from the unpadded layout"
-        assert torch.equal(got[1], us), f"{pmsg}: scales differ from the unpadded layout"
-        padded.append(got)
-    (btq_p, bts_p), (atq_p, ats_p) = padded
-    dw_p = G.fp8_wgrad(atq_p, ats_p, btq_p, bts_p, offs, padded=True)
-    ref_p = G.fp8_wgrad_ref(atq_p, ats_p, btq_p, bts_p, offs, padded=True)
-    assert torch.equal(ref_p, ref), f"{msg}: padded reference differs from the unpadded one"
-    torch.testing.assert_close(dw_p.double(), ref_p, **_gemm_tol(ref.abs().max()), msg=_m(f"{msg} padded"))
-    if not _HAS_CUDA:
-        # The same tiles reach tl.dot (masked-out rows loaded as 0 vs stored zeros): same sums.
-        assert torch.equal(dw_p, dw), f"{msg}: padded wgrad differs from the unpadded one"
-    else:
-        torch.testing.assert_close(dw_p.double(), dw.double(), **_gemm_tol(ref.abs().max()), msg=_m(msg))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -567,16 +543,13 @@ def test_clear_errors():
     wrong = tile_table(offs, 4, 1)
     with pytest.raises(ValueError, match="build it with tile_table"):
         G.fp8_grouped_gemm(xq, xs, wq, ws, offs, tiles=wrong, block_m=2)
-    # fp8_wgrad's two layouts of quantize_cols_grouped, each passed with the other's flag.
-    unpadded = Q.quantize_cols_grouped(x, offs)
-    padded = Q.quantize_cols_grouped(x, offs, padded=True)
-    assert padded[0].shape == (130, 256) and unpadded[0].shape == (130, 4)
-    with pytest.raises(ValueError, match="pass padded=True"):
-        G.fp8_wgrad(*padded, *padded, offs)
-    with pytest.raises(ValueError, match="needs padded=False"):
-        G.fp8_wgrad(*unpadded, *unpadded, offs, padded=True)
+    # fp8_wgrad takes quantize_cols_grouped's layout (128 columns per tile) only.
+    cols = Q.quantize_cols_grouped(x, offs)
+    assert cols[0].shape == (130, 256) and cols[1].shape == (130, 2)
+    with pytest.raises(ValueError, match="n_tiles \\* 128"):
+        G.fp8_wgrad(cols[0][:, :4].contiguous(), cols[1], cols[0][:, :4].contiguous(), cols[1], offs)
     with pytest.raises(ValueError, match="bt_s"):
-        G.fp8_wgrad(*padded, padded[0], padded[1][:, :1].contiguous(), offs, padded=True)
+        G.fp8_wgrad(*cols, cols[0], cols[1][:, :1].contiguous(), offs)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -605,7 +578,7 @@ def test_gpu_gate_up_at_30b_shape():
 
 
 def test_gemm_variants_bench_kernel():
-    """bench/fp8_gemm_variants.py's kernel (Run 19's exploration of the K loop) computes the GEMM in
+    """bench/fp8_gemm_variants.py's kernel (variants of the K loop) computes the GEMM in
     every non-TMA mode: bf16-output rounding from the dequantized reference."""
     from bench.fp8_gemm_variants import cpu_check
 
@@ -616,26 +589,17 @@ def test_gemm_variants_bench_kernel():
 
 @pytest.mark.parametrize("routing", [ROUTINGS[1], ROUTINGS[2], ROUTINGS[4]], ids=lambda r: f"T{r[0]}k{r[1]}E{r[2]}-{r[3]}")
 def test_tma_loads_are_bitwise_the_pointer_loads(routing):
-    """``tma=True`` (host tensor descriptors for the weights, and for A when not gathered) loads the
-    same bytes as the pointer loads, zeros past K and past the last rows: bitwise the same GEMMs,
-    incl. a partial K block (D = 320) and a partial N tile (F = 144). Rows of 10 bytes cannot be
-    addressed by TMA: those fall back to pointer loads."""
+    """``tma=True`` (host tensor descriptors for A and B where A is not gathered, and for both wgrad
+    operands) loads the same bytes as the pointer loads, zeros past K and past the last rows:
+    bitwise the same GEMMs, incl. a partial K block (D = 208) and a partial N tile (F = 144), each
+    also against the float64 reference. Rows of 10 bytes cannot be addressed by TMA: those fall
+    back to pointer loads."""
     seed = _seed()
     T, K, E, kind = routing
-    D, F = 320, 144
+    D, F = 208, 144  # rows of multiples of 16 bytes: TMA-addressable
     msg = f"seed {seed} {routing}"
-    ids = _routing(T, K, E, kind)
-    slots, offs = sort_by_expert(ids, E)
-    valid = ids.view(-1) >= 0
+    slots, offs = sort_by_expert(_routing(T, K, E, kind), E)
     n = _covered(offs)
-    xq, xs = Q.quantize_1x128(_input(T, D, torch.float32, zeros=False))
-    w1q, w1s = Q.quantize_weight(torch.randn(E, F, D, device=DEVICE) * 0.05)
-    w3q, w3s = Q.quantize_weight(torch.randn(E, F, D, device=DEVICE) * 0.05)
-    gathered = [G.fp8_grouped_gemm(xq, xs, w1q, w1s, offs, slots, K, out_dtype=torch.float32, out_slot_N=slots,
-                                   tma=t) for t in (False, True)]
-    assert torch.equal(gathered[0][valid], gathered[1][valid]), f"{msg}: gathered GEMM"
-    want = G.fp8_grouped_gemm_ref(xq, xs, w1q, w1s, offs, slots, K, out_slot_N=slots)[valid]
-    torch.testing.assert_close(gathered[1][valid].double(), want, **_gemm_tol(want.abs().max()), msg=_m(msg))
     a_sorted = _input(T * K, F, torch.float32, zeros=False)
     aq, as_ = Q.quantize_1x128(a_sorted)
     w2q, w2s = Q.quantize_weight(torch.randn(E, D, F, device=DEVICE) * 0.05)
@@ -643,17 +607,11 @@ def test_tma_loads_are_bitwise_the_pointer_loads(routing):
     assert torch.equal(down[0][:n], down[1][:n]), f"{msg}: sorted-row GEMM"
     want = G.fp8_grouped_gemm_ref(aq, as_, w2q, w2s, offs)[:n]
     torch.testing.assert_close(down[1][:n].double(), want, **_gemm_tol(want.abs().max()), msg=_m(msg))
-    # The TMA run also turns off gate/up's scale prefetch: the loop order must not change a bit.
-    gu = [G.fp8_gate_up_swiglu(xq, xs, w1q, w1s, w3q, w3s, slots, offs, K, quantize_a=True, tma=t, prefetch=not t)
-          for t in (False, True)]
-    (h0, a0, (q0, s0)), (h1, a1, (q1, s1)) = gu
-    assert torch.equal(h0[:n], h1[:n]) and torch.equal(a0[:n], a1[:n]), f"{msg}: gate/up"
-    _assert_same_q((q0[:n], s0[:n]), (q1[:n], s1[:n]), f"{msg}: quantized A")
-    # wgrad on the padded token-dim layout: dW1 = dH^T x with M = 144 (a partial row tile).
-    dht = Q.quantize_cols_grouped(_input(T * K, F, torch.float32, zeros=False), offs, padded=True)
-    xt = Q.quantize_cols_grouped(_input(T, D, torch.float32, zeros=False), offs, slots, K, padded=True)
-    dw = [G.fp8_wgrad(*dht, *xt, offs, padded=True, tma=t) for t in (False, True)]
+    # wgrad: dW1 = dH^T x with M = 144 (a partial row tile).
+    dht = Q.quantize_cols_grouped(_input(T * K, F, torch.float32, zeros=False), offs)
+    xt = Q.quantize_cols_grouped(_input(T, D, torch.float32, zeros=False), offs, slots, K)
+    dw = [G.fp8_wgrad(*dht, *xt, offs, block_m=128, block_n=128, tma=t) for t in (False, True)]
     assert torch.equal(dw[0], dw[1]), f"{msg}: wgrad"
-    want = G.fp8_wgrad_ref(*dht, *xt, offs, padded=True)
+    want = G.fp8_wgrad_ref(*dht, *xt, offs)
     torch.testing.assert_close(dw[1].double(), want, **_gemm_tol(want.abs().max()), msg=_m(msg))
     assert G._tma_descriptor(torch.zeros(4, 10, dtype=torch.uint8), 4, 16) is None

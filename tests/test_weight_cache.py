@@ -15,7 +15,7 @@ from models.moe.weight_cache import CACHE_MODES, ExpertWeightCache, cache_mode
 from train import Trainer
 
 triton = pytest.importorskip("triton")
-from kernels.moe.mega_fp8 import mega_moe_fp8, options  # noqa: E402
+from kernels.moe.mega_fp8 import MegaFP8Options, mega_moe_fp8  # noqa: E402
 from kernels.moe.mega_fp8.weights import QuantizedExpertWeights  # noqa: E402
 
 from tests.test_mega_moe_fp8 import _inputs, _seed  # noqa: E402
@@ -27,10 +27,10 @@ SMALL = ["--config", "train_configs/debug_model.toml", "--model.n_layers", "2", 
          "--training.mixed_precision_param", "bfloat16"]
 
 
-def _run(op_args, weights, quantized):
+def _run(op_args, weights, quantized, options=None):
     x, ids, s, dy = op_args
     leaves = [t.clone().requires_grad_() for t in (x, s, *weights)]
-    y = mega_moe_fp8(leaves[0], ids, leaves[1], *leaves[2:], quantized=quantized)
+    y = mega_moe_fp8(leaves[0], ids, leaves[1], *leaves[2:], quantized=quantized, options=options)
     grads = torch.autograd.grad(y, leaves, dy)
     return [y, *grads]
 
@@ -53,11 +53,11 @@ def test_quantized_weights_give_the_per_call_results(T, K, E, D, F, kind, wgrad,
     (the seed is in the failure message)."""
     seed = _seed()
     x, ids, s, w1, w3, w2, dy = _inputs(T, K, E, D, F, kind)
-    with options(wgrad=wgrad, pow2_scales=pow2):
-        want = _run((x, ids, s, dy), (w1, w3, w2), None)
-        q = QuantizedExpertWeights.quantize(w1, w3, w2, pow2)
-        got_bf16 = _run((x, ids, s, dy), (w1, w3, w2), q)
-        got_fp32 = _run((x, ids, s, dy), (w1.float(), w3.float(), w2.float()), q)
+    opts = MegaFP8Options(wgrad=wgrad, pow2_scales=pow2)
+    want = _run((x, ids, s, dy), (w1, w3, w2), None, opts)
+    q = QuantizedExpertWeights.quantize(w1, w3, w2, pow2)
+    got_bf16 = _run((x, ids, s, dy), (w1, w3, w2), q, opts)
+    got_fp32 = _run((x, ids, s, dy), (w1.float(), w3.float(), w2.float()), q, opts)
     names = ("y", "dx", "ds", "dw1", "dw3", "dw2")
     for name, a, b, c in zip(names, want, got_bf16, got_fp32):
         assert torch.equal(a, b), f"seed={seed}: {name} differs with bf16 weights"

@@ -11,9 +11,9 @@ one per tile, such that ``x ~= q.float() * s`` tile by tile. The tiles:
   as the row copy.
 - expert-grouped 128 x 1 tiles for the MoE wgrad, :func:`quantize_cols_grouped`: the 128-row blocks
   follow each expert's rows (the tile table of :mod:`kernels.moe.routing` with block_m = 128),
-  so a block never straddles two experts; rows may be gathered by token on the fly. Stored either
-  at the rows' own positions or "padded": tile i at columns [128 i, 128 i + 128), zero filled, so
-  the wgrad GEMM reads whole aligned 128-column blocks with no row mask.
+  so a block never straddles two experts; rows may be gathered by token on the fly. Stored
+  "padded": tile i at columns [128 i, 128 i + 128), zero filled, so the wgrad GEMM reads whole
+  aligned 128-column blocks with no row mask.
 - weights, :func:`quantize_weight`: 128 x 128 blocks. (E, N, K) -> q (E, N, K),
   s (E, ceil(N/128), ceil(K/128)). A block's scale is symmetric in its two dims, so the transposed
   weight of dgrad is ``(q.mT, s.mT)``: no requantization.
@@ -170,14 +170,10 @@ def quantize_cols_grouped_ref(
     sorted_slot_N: torch.Tensor | None = None,
     top_k: int = 1,
     pow2_scales: bool = False,
-    padded: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference of :func:`quantize_cols_grouped` (host loops; tests only).
-
-    Rows not covered by an expert (r >= offsets_E1[E]) are left zero in qt; surplus tiles get
-    scale 0, as the kernel writes them. ``padded``: qt (K, n_tiles * 128), tile i's rows at columns
-    ``128 i ...``, zeros past them and in surplus tiles (the kernel writes those zeros too).
-    """
+    """Reference of :func:`quantize_cols_grouped` (host loops; tests only): qt (K, n_tiles * 128),
+    tile i's rows at columns ``128 i ...``, zeros past them and in surplus tiles; surplus tiles get
+    scale 0 (the kernel writes those zeros too)."""
     if sorted_slot_N is not None:
         xg = x[(sorted_slot_N.long() // top_k)]
     else:
@@ -186,14 +182,14 @@ def quantize_cols_grouped_ref(
     E = offsets_E1.numel() - 1
     offs = offsets_E1.tolist()
     n_tiles = max_tiles(Nr, E, TILE)
-    qt = torch.zeros((K, n_tiles * TILE if padded else Nr), dtype=FP8, device=x.device)
+    qt = torch.zeros((K, n_tiles * TILE), dtype=FP8, device=x.device)
     st = torch.zeros((K, n_tiles), dtype=torch.float32, device=x.device)
     tile = 0
     for e in range(E):
         for r0 in range(offs[e], offs[e + 1], TILE):
             r1 = min(r0 + TILE, offs[e + 1])
             q, s = quantize_1x128_ref(xg[r0:r1].t(), pow2_scales)  # (K, r1-r0), (K, 1)
-            c0 = tile * TILE if padded else r0
+            c0 = tile * TILE
             qt[:, c0 : c0 + r1 - r0] = q
             st[:, tile] = s[:, 0]
             tile += 1
@@ -282,12 +278,11 @@ def _cols_grouped_kernel(
     offsets_ptr,  # (E+1,) int32
     table_ptr,  # (2, num_tiles) int32, block_m = 128
     num_tiles,
-    LDQ,  # row stride of qt: Nr, or num_tiles * 128 if PADDED
+    LDQ,  # row stride of qt: num_tiles * 128
     K,
     K_TOP,
     BLOCK_K: tl.constexpr,
     GATHER: tl.constexpr,
-    PADDED: tl.constexpr,
     POW2: tl.constexpr,
     SOFT: tl.constexpr,
 ):
@@ -299,12 +294,11 @@ def _cols_grouped_kernel(
     offs_r = tl.arange(0, _TILE)
     expert = tl.load(table_ptr + pid_t)
     if expert < 0:
-        # Surplus tile of the static schedule: a defined scale; in the padded layout also its 128
-        # columns of zeros (every column of qt is then written, and the GEMM reads them unmasked).
+        # Surplus tile of the static schedule: a defined scale and its 128 columns of zeros (every
+        # column of qt is then written, and the GEMM reads them unmasked).
         tl.store(st_ptr + k64 * num_tiles + pid_t, tl.zeros((BLOCK_K,), tl.float32), mask=kmask)
-        if PADDED:
-            zeros = tl.zeros((_TILE, BLOCK_K), tl.uint8)
-            tl.store(qt_ptr + k64[None, :] * LDQ + pid_t * _TILE + offs_r[:, None], zeros, mask=kmask[None, :])
+        zeros = tl.zeros((_TILE, BLOCK_K), tl.uint8)
+        tl.store(qt_ptr + k64[None, :] * LDQ + pid_t * _TILE + offs_r[:, None], zeros, mask=kmask[None, :])
         return
     row0 = tl.load(table_ptr + num_tiles + pid_t)
     row_end = tl.load(offsets_ptr + expert + 1)
@@ -318,12 +312,9 @@ def _cols_grouped_kernel(
     x = tl.load(x_ptr + src[:, None] * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
     s = scale_from_amax(tl.max(tl.abs(x), axis=0), POW2)
     q = to_e4m3_bits(quantize_tile(x, s[None, :]), SOFT)
-    if PADDED:
-        # The whole 128-column block of tile pid_t: rows past the expert's end were loaded as +0.0,
-        # which quantizes to the byte 0x00, so the block's tail is the zero padding the GEMM relies on.
-        tl.store(qt_ptr + k64[None, :] * LDQ + pid_t * _TILE + offs_r[:, None], q, mask=kmask[None, :])
-    else:
-        tl.store(qt_ptr + k64[None, :] * LDQ + rows[:, None], q, mask=mask)
+    # The whole 128-column block of tile pid_t: rows past the expert's end were loaded as +0.0,
+    # which quantizes to the byte 0x00, so the block's tail is the zero padding the GEMM relies on.
+    tl.store(qt_ptr + k64[None, :] * LDQ + pid_t * _TILE + offs_r[:, None], q, mask=kmask[None, :])
     tl.store(st_ptr + k64 * num_tiles + pid_t, s, mask=kmask)
 
 
@@ -378,7 +369,7 @@ def _weight_kernel(
         toff = e * K * LDT + offs_k.to(tl.int64)[:, None] * LDT + QT_COL0 + offs_n[None, :]
         # The quotients of w re-read in transposed order (L2 hits: this program just loaded them) and
         # quantized again with the same scale: the same bytes as tl.trans(q), whose layout conversion
-        # through shared memory ran slower (Run 23, one 235B weight: 1.72 vs 2.19 ms at 16 warps).
+        # through shared memory ran slower.
         toff_w = e * N * K + offs_k[:, None] + offs_n.to(tl.int64)[None, :] * K
         wt = tl.load(w_ptr + toff_w, mask=(offs_k < K)[:, None] & (offs_n < N)[None, :], other=0.0)
         qt = to_e4m3_bits(quantize_tile(_rounded(wt, ROUND_BF16, SOFT), s), SOFT)
@@ -462,7 +453,6 @@ def quantize_cols_grouped(
     top_k: int = 1,
     pow2_scales: bool = False,
     tiles: torch.Tensor | None = None,
-    padded: bool = False,
     block_k: int | None = None,
     num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -473,26 +463,24 @@ def quantize_cols_grouped(
             (T, K) token rows gathered as ``x[sorted_slot_N[r] // top_k]`` (e.g. the layer input).
         offsets_E1: (E+1,) int32 from :func:`kernels.moe.routing.sort_by_expert`.
         tiles: optional tile table for block_m = 128 (built if None).
-        padded: store each tile in its own 128 columns (see Returns), the layout of
-            ``fp8_wgrad(..., padded=True)``: an expert's rows then start at a multiple of 128,
-            which lets the GEMM's token-dim loads be vectorized, for E * 128 more columns.
         block_k, num_warps: columns per program (default 32 on the GPU) and warps, for the
-            benchmark sweep (Run 19 measured 1.4 TB/s at the defaults; the row quantizer reaches ~3).
+            benchmark sweep.
     Returns:
-        qt_KN: (K, Nr) e4m3, the quantized (gathered) rows stored transposed (token dim
-            contiguous). Columns r >= offsets_E1[E] (empty slots) are not written.
-            With ``padded``: qt_KP (K, n_tiles * 128), tile i at columns [128 i, 128 i + 128): its
-            rows first, then zeros; surplus tiles all zeros. Every column is written.
+        qt_KP: (K, n_tiles * 128) e4m3, the quantized (gathered) rows stored transposed (token dim
+            contiguous), each tile in its own 128 columns: tile i at columns [128 i, 128 i + 128),
+            its rows first, then zeros; surplus tiles all zeros. Every column is written. An
+            expert's rows so start at a multiple of 128, which lets fp8_wgrad's token-dim loads be
+            vectorized, for E * 128 more columns than the rows.
         st_KT: (K, n_tiles) fp32, n_tiles = Nr // 128 + E: column i is tile i of the 128-row tile
             table; tile i covers rows ``[row0_i, min(row0_i + 128, end of its expert))``; surplus
-            tiles get 0. The same in both layouts.
+            tiles get 0.
     """
     _check_input(x, 2, "x")
     Nr = sorted_slot_N.numel() if sorted_slot_N is not None else x.shape[0]
     K = x.shape[1]
     E = offsets_E1.numel() - 1
     n_tiles = max_tiles(Nr, E, TILE)
-    ldq = n_tiles * TILE if padded else Nr
+    ldq = n_tiles * TILE
     qt = torch.empty((K, ldq), device=x.device, dtype=FP8)
     st = torch.empty((K, n_tiles), device=x.device, dtype=torch.float32)
     if K == 0 or n_tiles == 0:
@@ -500,12 +488,12 @@ def quantize_cols_grouped(
     if tiles is None:
         tiles = tile_table(offsets_E1, Nr, TILE)
     # The interpreter's cost is per program (each tl op is a Python call), so it gets whole tiles.
-    # 32 columns per program: 2.30 TB/s against 2.10 at 64 (x gathered, padded, 30B shape, Run 22).
+    # 32 columns per program: faster than 64 at the 30B shape.
     block_k = 128 if interpreting() else (block_k or 32)
     _cols_grouped_kernel[(n_tiles, triton.cdiv(K, block_k))](
         x, qt.view(torch.uint8), st, sorted_slot_N if sorted_slot_N is not None else offsets_E1,
         offsets_E1, tiles, n_tiles, ldq, K, top_k,
-        BLOCK_K=block_k, GATHER=sorted_slot_N is not None, PADDED=padded, POW2=pow2_scales,
+        BLOCK_K=block_k, GATHER=sorted_slot_N is not None, POW2=pow2_scales,
         SOFT=interpreting(), num_warps=4 if interpreting() else num_warps,
     )  # fmt: skip
     return qt, st
@@ -549,8 +537,8 @@ def quantize_weight_into(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, qt: 
             weights can share one qt, as the dX GEMM's [w1; w3]^T).
         round_bf16: quantize w's values rounded to bf16 (``w.to(torch.bfloat16)``'s values, without
             that cast's pass over the weights): float32 masters giving the bytes of the op's bf16 inputs.
-            Triton's own fp32 -> bf16 conversion; session 8's integer rounding of the bits, combined with
-            the transposed store, wrote wrong bytes on the H200 (Run 22, bench/NOTES.md).
+            Triton's own fp32 -> bf16 conversion on the GPU: an integer rounding of the bits, combined
+            with the transposed store, wrote wrong bytes on the H200.
     """
     _check_input(w, 3, "w")
     E, N, K = w.shape
@@ -578,5 +566,5 @@ def quantize_weight_into(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, qt: 
         w, q.view(torch.uint8), s, qt.view(torch.uint8) if trans else q.view(torch.uint8), st if trans else s,
         N, K, qt.shape[2] if trans else 0, qt_col0, qt_cols, st.shape[2] if trans else 0, st_col0,
         POW2=pow2_scales, SOFT=interpreting(), TRANS=trans, ROUND_BF16=round_bf16 and w.dtype != torch.bfloat16,
-        num_warps=num_warps,  # 16: Run 23's sweep (8: 1.27x, 32: 1.31x the time)
+        num_warps=num_warps,  # 16: faster than 8 or 32
     )  # fmt: skip

@@ -24,8 +24,12 @@ Ops:
                              ``kernels/moe/mega/forward.py``; optionally writes A quantized (1 x 128)
                              for the down GEMM.
 - :func:`fp8_wgrad`          dW[e] = dY_e^T @ X_e over each expert's rows (K-grouped), operands
-                             quantized along the token dim by :func:`quant.quantize_cols_grouped`
-                             (either layout; the padded one gives aligned, unmasked loads).
+                             quantized along the token dim by :func:`blockwise.quantize_cols_grouped`
+                             (one zero-filled 128-column block per tile: aligned, unmasked loads).
+
+TMA (loads through host tensor descriptors) is used for the operands whose rows are contiguous
+when both operands can take it: the down and dX GEMMs and the wgrad. Where A's rows are gathered
+(gate/up, dA') both stay pointer loads: TMA weights beside gathered pointer loads were slower.
 """
 
 from __future__ import annotations
@@ -50,10 +54,9 @@ from kernels.moe.routing import max_tiles, tile_table
 
 
 def _block_sizes(block_m: int | None, block_n: int | None) -> tuple[int, int]:
-    # GPU defaults from the launch sweep of session 3 (BENCHMARKS Run 12, 30B shape, H200): 64-row
-    # tiles won for all three GEMMs. The scaled K step keeps two fp32 tiles live per output (the
-    # running sum and the fresh dot), four in gate/up: at 128 x 128 likely a spill (not checked
-    # with ncu). The interpreter gets small tiles so the tests' partial tiles are exercised and stay
+    # GPU defaults: 64-row tiles were the fastest for all three GEMMs at the 30B shape. The scaled K
+    # step keeps two fp32 tiles live per output (the running sum and the fresh dot), four in
+    # gate/up. The interpreter gets small tiles so the tests' partial tiles are exercised and stay
     # fast.
     if interpreting():
         return block_m or 16, block_n or 32
@@ -75,6 +78,41 @@ def _check_scales(s: torch.Tensor, shape: tuple[int, ...], name: str) -> None:
 # --------------------------------------------------------------------------------------------------
 # Forward / dgrad: M-tiled over expert-sorted rows
 # --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _m_tile(table_ptr, offsets_ptr, num_tiles, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program -> (pid_m, pid_n, expert or -1 for a surplus tile, rows, row mask, safe rows): the
+    M-tile (of the tile table) and N-tile it computes, N-tile fastest."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    expert, rows, rmask, safe_rows = tile_rows(table_ptr, offsets_ptr, num_tiles, pid_m, BLOCK_M)
+    return pid_m, pid_n, expert, rows, rmask, safe_rows
+
+
+@triton.jit
+def _n_tile(expert, pid_n, N, K, BLOCK_N: tl.constexpr):
+    """(KB, NB, expert as int64, the tile's columns, the columns to load, the K offsets of a block):
+    columns past N load a valid column (``% N``), dropped at the store."""
+    KB = tl.cdiv(K, 128)
+    NB = tl.cdiv(N, 128)
+    e64 = expert.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n_ld = offs_n % N
+    offs_k = tl.arange(0, 128)
+    return KB, NB, e64, offs_n, offs_n_ld, offs_k
+
+
+@triton.jit
+def _b_scale_offset(e64, NB, KB, pid_n, offs_n_ld, BLOCK_N: tl.constexpr):
+    """Offset of the tile's weight block scales for K block 0 in (E, NB, KB) scales: one per K block
+    when the tile's 128 columns lie in one 128 x 128 block, else a (BLOCK_N,) vector."""
+    if BLOCK_N == 128:
+        return (e64 * NB + pid_n) * KB
+    else:
+        return (e64 * NB + offs_n_ld // 128) * KB
 
 
 @triton.jit
@@ -141,17 +179,10 @@ def _promote(acc, d, sa, sb, SCALAR_B: tl.constexpr):
         return acc + d * sa[:, None] * sb[None, :]
 
 
-# The promotion is the K loop's cost beyond the MMAs: the same kernel with no scales ran 1.45x
-# faster (30B down shape, 128 x 128 tiles, Run 19, bench/fp8_gemm_variants.py). One FMA per element
-# instead of two multiplies and an add, at 64 x 128 tiles in the same call: the down shape 0.754 ->
-# 0.687 ms, the gate/up-shaped GEMM (K 2048, N 1536) 1.301 -> 1.147 ms. The scales are loaded one K
-# block ahead: ncu put 28% of the gate/up kernel's warp samples on long-scoreboard stalls, half at
-# the scale loads, but the prefetch alone, on these pointer-based loops, measured -2% to +4% at the
-# down shape and +1% to +9% (slower) at the gate/up-shaped K 2048, most at 128 x 128 tiles with 8
-# warps and 3 stages, gate/up's launch (Run 19, same call); with TMA it matched the unscaled
-# kernel's time (0.53 ms). Whether gate/up keeps it is for the next timing (bench/NOTES.md). A lagged
-# promotion (block kb-1's product added after block kb's dot) measured 2-8% slower: Triton waits
-# for each wgmma anyway.
+# The promotion is the K loop's cost beyond the MMAs, so it is one FMA per element where B's scale
+# is a scalar for the tile (128-wide N tiles). The scales are loaded one K block ahead, off the
+# loop's critical path. A lagged promotion (block kb-1's product added after block kb's dot) was
+# slower: Triton waits for each wgmma anyway.
 
 
 @triton.jit
@@ -182,28 +213,16 @@ def _fp8_gemm_kernel(
     TMA_A: tl.constexpr = False,
     TMA_B: tl.constexpr = False,
 ):
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
-    expert, rows, rmask, safe_rows = tile_rows(table_ptr, offsets_ptr, num_tiles, pid_m, BLOCK_M)
+    pid_m, pid_n, expert, rows, rmask, safe_rows = _m_tile(table_ptr, offsets_ptr, num_tiles, N, BLOCK_M, BLOCK_N)
     if expert < 0:
         return
     src = _a_rows(sorted_slot_ptr, rows, rmask, safe_rows, K_TOP, GATHER)
 
-    KB = tl.cdiv(K, 128)
-    NB = tl.cdiv(N, 128)
-    e64 = expert.to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_n_ld = offs_n % N  # columns past N load a valid column, dropped at the store
-    offs_k = tl.arange(0, 128)
+    KB, NB, e64, offs_n, offs_n_ld, offs_k = _n_tile(expert, pid_n, N, K, BLOCK_N)
     a_ptrs = a_ptr + src[:, None] * K + offs_k[None, :]
     b_ptrs = b_ptr + e64 * N * K + offs_n_ld.to(tl.int64)[None, :] * K + offs_k[:, None]  # (128, BN)
     as_base = as_ptr + src * KB
-    if BLOCK_N == 128:  # the tile's columns lie in one weight scale block: one scale per K block
-        bs_base = bs_ptr + (e64 * NB + pid_n) * KB
-    else:
-        bs_base = bs_ptr + (e64 * NB + offs_n_ld // 128) * KB
+    bs_base = bs_ptr + _b_scale_offset(e64, NB, KB, pid_n, offs_n_ld, BLOCK_N)
 
     # TMA: the tile's rows from its first one (rows past the expert's end read the next expert's,
     # dropped at the store; past the last row, zeros), the weight rows of this expert and N-tile.
@@ -252,8 +271,6 @@ def _fp8_gate_up_kernel(
     sorted_slot_ptr,
     offsets_ptr,
     table_ptr,
-    w1_desc,  # TensorDescriptors of w1, w3 viewed (E * F, D), block (BLOCK_N, 128) (if TMA_B)
-    w3_desc,
     num_tiles,
     K_TOP,
     D,
@@ -265,54 +282,33 @@ def _fp8_gate_up_kernel(
     QUANT_A: tl.constexpr,
     POW2: tl.constexpr,
     SOFT: tl.constexpr,
-    TMA_B: tl.constexpr = False,
-    PREFETCH: tl.constexpr = True,
 ):
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(F, BLOCK_N)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
-    expert, rows, rmask, safe_rows = tile_rows(table_ptr, offsets_ptr, num_tiles, pid_m, BLOCK_M)
+    pid_m, pid_n, expert, rows, rmask, safe_rows = _m_tile(table_ptr, offsets_ptr, num_tiles, F, BLOCK_M, BLOCK_N)
     if expert < 0:
         return
     src = _a_rows(sorted_slot_ptr, rows, rmask, safe_rows, K_TOP, True)
 
-    DB = tl.cdiv(D, 128)
-    FB = tl.cdiv(F, 128)
-    e64 = expert.to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_n_ld = offs_n % F
-    offs_k = tl.arange(0, 128)
+    DB, FB, e64, offs_n, offs_n_ld, offs_k = _n_tile(expert, pid_n, F, D, BLOCK_N)
     x_ptrs = x_ptr + src[:, None] * D + offs_k[None, :]
     w_off = e64 * F * D + offs_n_ld.to(tl.int64)[None, :] * D + offs_k[:, None]
     w1_ptrs = w1_ptr + w_off
     w3_ptrs = w3_ptr + w_off
     xs_base = xs_ptr + src * DB
-    if BLOCK_N == 128:  # one weight scale block per tile and K block
-        ws_off = (e64 * FB + pid_n) * DB
-    else:
-        ws_off = (e64 * FB + offs_n_ld // 128) * DB
+    ws_off = _b_scale_offset(e64, FB, DB, pid_n, offs_n_ld, BLOCK_N)
     w1s_base = w1s_ptr + ws_off
     w3s_base = w3s_ptr + ws_off
 
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # PREFETCH: scales loaded one K block ahead (see _promote's note; timed on/off for gate/up's
-    # launch in session 8, GATE_UP_PREFETCH).
+    # Scales loaded one K block ahead (see _promote's note).
     sx, s1 = _kscales(xs_base, w1s_base, 0, DB)
     s3 = tl.load(w3s_base)
-    b_row0 = expert * F + pid_n * BLOCK_N
     for kb in range(0, DB):
         x = _load_a(x_ptrs, kb, D, offs_k, EVEN_K)
-        w1 = _load_b_tma(w1_ptrs, w1_desc, b_row0, kb, D, offs_k, EVEN_K, TMA_B)
-        w3 = _load_b_tma(w3_ptrs, w3_desc, b_row0, kb, D, offs_k, EVEN_K, TMA_B)
-        if PREFETCH:
-            sx_next, s1_next = _kscales(xs_base, w1s_base, kb + 1, DB)
-            s3_next = tl.load(w3s_base + tl.minimum(kb + 1, DB - 1))
-        else:
-            sx, s1 = _kscales(xs_base, w1s_base, kb, DB)
-            s3 = tl.load(w3s_base + kb)
-            sx_next, s1_next, s3_next = sx, s1, s3
+        w1 = _load_b(w1_ptrs, kb, D, offs_k, EVEN_K)
+        w3 = _load_b(w3_ptrs, kb, D, offs_k, EVEN_K)
+        sx_next, s1_next = _kscales(xs_base, w1s_base, kb + 1, DB)
+        s3_next = tl.load(w3s_base + tl.minimum(kb + 1, DB - 1))
         acc_g = _promote(acc_g, tl.dot(x, w1), sx, s1, BLOCK_N == 128)
         acc_u = _promote(acc_u, tl.dot(x, w3), sx, s3, BLOCK_N == 128)
         sx, s1, s3 = sx_next, s1_next, s3_next
@@ -357,16 +353,6 @@ def _checked_tiles(tiles: torch.Tensor | None, offsets_E1: torch.Tensor, Nr: int
     return tiles
 
 
-# TMA (tensor-memory-accelerator loads through host tensor descriptors) for the operands whose rows
-# are contiguous: A when it is not gathered, and the weights. By default (``tma=None``, this flag) only
-# where BOTH operands go through TMA: Run 22 (30B shape, H200, same call) measured down 0.702 -> 0.554
-# ms, dX 1.202 -> 0.997, padded wgrad 0.976 -> 0.873 (each at 3 stages with TMA, 4 without), but the
-# gate/up GEMM, whose x rows are gathered (pointer loads beside TMA weight loads), 1.216 -> 1.759 ms.
-USE_TMA = True
-# Gate/up's K loop loads the scales one block ahead (``prefetch=None`` reads this flag).
-GATE_UP_PREFETCH = True
-
-
 def _tma_descriptor(t: torch.Tensor, rows: int, block_rows: int):
     """A TensorDescriptor of ``t`` viewed (rows, K) with (block_rows, 128) blocks, or None when TMA
     cannot address it (a row must be a multiple of 16 bytes, the base 16-byte aligned)."""
@@ -392,19 +378,19 @@ def fp8_grouped_gemm(
     block_n: int | None = None,
     out_slot_N: torch.Tensor | None = None,
     slot_weights_N: torch.Tensor | None = None,
-    num_warps: int = 4,  # Run 12 sweep
+    num_warps: int = 4,
     num_stages: int | None = None,
-    tma: bool | None = None,
+    tma: bool = True,
 ) -> torch.Tensor:
     """out[r] = dequant(A)[src(r)] @ dequant(B)[e(r)]^T for the expert-sorted rows r.
 
     Args:
         a_q: (T, K) e4m3 token rows (with ``sorted_slot_N``: row r reads token
             ``sorted_slot_N[r] // top_k``) or (Nr, K) e4m3 rows already in expert-sorted order.
-        a_s: (a_q.shape[0], ceil(K/128)) fp32, 1 x 128 scales (:func:`quant.quantize_1x128`).
+        a_s: (a_q.shape[0], ceil(K/128)) fp32, 1 x 128 scales (:func:`blockwise.quantize_1x128`).
         b_q: (E, N, K) e4m3 per-expert weights, K contiguous (pass a dgrad weight as a
             contiguous copy of ``q.mT``: the bytes need no requantization).
-        b_s: (E, ceil(N/128), ceil(K/128)) fp32 128 x 128 block scales (:func:`quant.quantize_weight`).
+        b_s: (E, ceil(N/128), ceil(K/128)) fp32 128 x 128 block scales (:func:`blockwise.quantize_weight`).
         offsets_E1: (E+1,) int32 expert row offsets (:func:`kernels.moe.routing.sort_by_expert`).
         sorted_slot_N: (Nr,) int32 or None (no gather).
         tiles: optional tile table for ``block_m`` (:func:`kernels.moe.routing.tile_table`).
@@ -412,10 +398,10 @@ def fp8_grouped_gemm(
             of r (the MoE combine: expert-sorted row -> its (token, k) slot).
         slot_weights_N: (Nr,) fp32 or None (needs ``out_slot_N``): output row j is scaled by
             ``slot_weights_N[j]`` in fp32 before the rounding to ``out_dtype`` (routing weights).
-        num_stages: software pipeline depth (None: 3 with TMA, 4 without; Run 22 sweep).
-        tma: load B, and A when not gathered, through TMA descriptors (None: ``USE_TMA`` when A is
-            not gathered, else pointer loads: see ``USE_TMA``); operands TMA cannot address fall back
-            to pointer loads.
+        num_warps, num_stages: launch parameters (num_stages None: 3 with TMA, 4 without, the
+            faster depth of each); the interpreter uses 4 warps.
+        tma: when A is not gathered, load A and B through TMA descriptors (False: pointer loads,
+            which gathered rows always use); operands TMA cannot address fall back to pointer loads.
     Returns:
         (Nr, N) ``out_dtype`` (bf16 or fp32). Rows r >= offsets_E1[E] (empty slots; with
         ``out_slot_N`` their slots) are not written.
@@ -446,8 +432,8 @@ def fp8_grouped_gemm(
     if Nr == 0 or N == 0 or K == 0 or n_tiles == 0:
         return out.zero_() if K == 0 else out
     tiles = _checked_tiles(tiles, offsets_E1, Nr, bm, n_tiles)
-    use_tma = (USE_TMA and sorted_slot_N is None) if tma is None else tma
-    a_desc = _tma_descriptor(a_q, a_q.shape[0], bm) if use_tma and sorted_slot_N is None else None
+    use_tma = tma and sorted_slot_N is None
+    a_desc = _tma_descriptor(a_q, a_q.shape[0], bm) if use_tma else None
     b_desc = _tma_descriptor(b_q, E * N, bn) if use_tma else None
     if num_stages is None:
         num_stages = 3 if b_desc is not None else 4
@@ -480,10 +466,8 @@ def fp8_gate_up_swiglu(
     tiles: torch.Tensor | None = None,
     block_m: int | None = None,
     store_a: bool = True,
-    num_warps: int = 8,  # Run 12 sweep: 8 warps at 64 rows (two accumulators)
+    num_warps: int = 8,
     num_stages: int = 3,
-    tma: bool | None = None,
-    prefetch: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
     """FP8 gathered gate/up GEMM with the SwiGLU epilogue (FP8 twin of ``forward.gate_up``).
 
@@ -495,9 +479,8 @@ def fp8_gate_up_swiglu(
             BLOCK_N = 128 so each N-tile is one scale tile.
         store_a: write A in ``out_dtype`` (False with ``quantize_a``: the FP8 MoE needs only A's
             quantized copy, and skipping the N x F store saves its bytes).
-        tma: load w1 and w3 through TMA descriptors (None: off, since x's rows are gathered and
-            stay pointer loads: 1.76 ms against 1.22 without, Run 22; see ``USE_TMA``).
-        prefetch: load the K loop's scales one block ahead (None: ``GATE_UP_PREFETCH``).
+        num_warps, num_stages: launch parameters (8 warps: two accumulators); the interpreter
+            uses 4 warps. x's rows are gathered, so every load is a pointer load.
     Returns:
         h_N2F: (Nr, 2F) [gate | up] in ``out_dtype``; a_NF: (Nr, F) silu(gate) * up in ``out_dtype``
         (None unless store_a); (a_q (Nr, F) e4m3, a_s (Nr, ceil(F/128)) fp32) if quantize_a else None.
@@ -528,17 +511,12 @@ def fp8_gate_up_swiglu(
     if Nr == 0 or F == 0 or n_tiles == 0:
         return h, a, (aq, a_s) if quantize_a else None
     tiles = _checked_tiles(tiles, offsets_E1, Nr, bm, n_tiles)
-    use_tma = bool(tma)  # None: off (x is gathered; see USE_TMA)
-    w1_desc = _tma_descriptor(w1_q, E * F, bn) if use_tma else None
-    w3_desc = _tma_descriptor(w3_q, E * F, bn) if use_tma else None
     _fp8_gate_up_kernel[(n_tiles * triton.cdiv(F, bn),)](
         x_q, x_s, w1_q, w1_s, w3_q, w3_s, h, a if store_a else h,
         aq.view(torch.uint8) if quantize_a else h, a_s if quantize_a else h,
-        sorted_slot_N, offsets_E1, tiles, w1_desc, w3_desc, n_tiles, top_k, D, F,
+        sorted_slot_N, offsets_E1, tiles, n_tiles, top_k, D, F,
         BLOCK_M=bm, BLOCK_N=bn, EVEN_K=D % TILE == 0, STORE_A=store_a, QUANT_A=quantize_a, POW2=pow2_scales,
-        SOFT=interpreting(), TMA_B=w1_desc is not None and w3_desc is not None,
-        PREFETCH=GATE_UP_PREFETCH if prefetch is None else prefetch,
-        num_warps=num_warps if not interpreting() else 4, num_stages=num_stages,
+        SOFT=interpreting(), num_warps=num_warps if not interpreting() else 4, num_stages=num_stages,
     )  # fmt: skip
     return h, a, (aq, a_s) if quantize_a else None
 
@@ -557,19 +535,18 @@ def _fp8_wgrad_kernel(
     out_ptr,  # (E, M, Ncol)
     offsets_ptr,  # (E+1,) int32 row offsets
     tile_offsets_ptr,  # (E+1,) int32 offsets of each expert's 128-row tiles
-    at_desc,  # TensorDescriptor of at (M, LD), block (BLOCK_M, 128) (if TMA; padded layout only)
+    at_desc,  # TensorDescriptor of at (M, LD), block (BLOCK_M, 128) (if TMA)
     bt_desc,  # TensorDescriptor of bt (Ncol, LD), block (BLOCK_N, 128)
     num_tiles,
-    LD,  # row stride of at/bt: Nr, or num_tiles * 128 if PADDED
+    LD,  # row stride of at/bt: num_tiles * 128
     M,
     NCOL,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SOFT: tl.constexpr,
-    PADDED: tl.constexpr,
     TMA: tl.constexpr = False,
 ):
-    expert, offs_m, offs_n, start, end = expert_tile(tl.program_id(0), M, NCOL, offsets_ptr, BLOCK_M, BLOCK_N)
+    expert, offs_m, offs_n, _, _ = expert_tile(tl.program_id(0), M, NCOL, offsets_ptr, BLOCK_M, BLOCK_N)
     t0 = tl.load(tile_offsets_ptr + expert)
     t1 = tl.load(tile_offsets_ptr + expert + 1)
     offs_m_ld = (offs_m % M).to(tl.int64)
@@ -586,21 +563,16 @@ def _fp8_wgrad_kernel(
     sb = tl.load(bts_ptr + offs_n_ld * num_tiles + t_first)
     for t in range(t0, t1):
         if TMA:
-            # The padded layout through descriptors: rows past M / Ncol read zeros (dropped).
+            # Through descriptors: rows past M / Ncol read zeros (dropped).
             a = at_desc.load([m0, t * 128])
             b = bt_desc.load([n0, t * 128]).T
-        elif PADDED:
+        else:
             # Tile t owns columns [128 t, 128 t + 128), zero past the expert's rows: no mask, and
             # the columns are known 128-aligned and contiguous, so the loads are vectorized
             # (LD = num_tiles * 128 is a multiple of 16, which Triton's specialization sees).
             cols = tl.max_contiguous(tl.multiple_of(t * 128 + offs_r, 128), 128)
             a = tl.load(at_ptr + offs_m_ld[:, None] * LD + cols[None, :])
             b = tl.load(bt_ptr + offs_n_ld[None, :] * LD + cols[:, None])
-        else:
-            rows = start + (t - t0) * 128 + offs_r
-            rmask = rows < end
-            a = tl.load(at_ptr + offs_m_ld[:, None] * LD + rows[None, :], mask=rmask[None, :], other=0.0)
-            b = tl.load(bt_ptr + offs_n_ld[None, :] * LD + rows[:, None], mask=rmask[:, None], other=0.0)
         t_next = tl.minimum(t + 1, t1 - 1)
         sa_next = tl.load(ats_ptr + offs_m_ld * num_tiles + t_next)
         sb_next = tl.load(bts_ptr + offs_n_ld * num_tiles + t_next)
@@ -621,26 +593,24 @@ def fp8_wgrad(
     out_dtype: torch.dtype = torch.float32,
     block_m: int | None = None,
     block_n: int | None = None,
-    num_warps: int = 4,  # Run 12 sweep
+    num_warps: int = 4,
     num_stages: int | None = None,
-    padded: bool = False,
-    tma: bool | None = None,
+    tma: bool = True,
 ) -> torch.Tensor:
     """dW[e] = dY_e^T @ X_e, the sum over expert e's rows, from token-dim-quantized operands.
 
     Args:
-        at_q, at_s: (M, Nr) e4m3 and (M, Nr // 128 + E) fp32: dY's expert-sorted rows quantized in
-            128 x 1 tiles and stored transposed (:func:`quant.quantize_cols_grouped` of dY (Nr, M)).
-        bt_q, bt_s: (Ncol, Nr) e4m3 and (Ncol, Nr // 128 + E) fp32: the same for X (Nr or gathered
-            T rows, Ncol). Both must come from the same offsets_E1 (same 128-row tiles).
+        at_q, at_s: (M, n_tiles * 128) e4m3 and (M, n_tiles) fp32, n_tiles = Nr // 128 + E: dY's
+            expert-sorted rows quantized in 128 x 1 tiles and stored transposed, tile i at columns
+            [128 i, 128 i + 128), zero filled past its rows (:func:`blockwise.quantize_cols_grouped`
+            of dY (Nr, M)). The loads are then aligned and unmasked (vectorized).
+        bt_q, bt_s: (Ncol, n_tiles * 128) e4m3 and (Ncol, n_tiles) fp32: the same for X (Nr or
+            gathered T rows, Ncol). Both must come from the same offsets_E1 (same 128-row tiles).
         offsets_E1: (E+1,) int32.
-        num_warps, num_stages: launch parameters (bench sweeps; the interpreter uses 4 warps);
-            num_stages None: 3 with TMA, 4 without (Run 22 sweep).
-        padded: the operands are in the padded layout of ``quantize_cols_grouped(..., padded=True)``:
-            at_q (M, n_tiles * 128), bt_q (Ncol, n_tiles * 128), at_s (M, n_tiles), bt_s
-            (Ncol, n_tiles), n_tiles = Nr // 128 + E; tile i at columns [128 i, 128 i + 128),
-            zero filled past its rows. The loads are then aligned and unmasked (vectorized).
-        tma: with ``padded``, load both operands through TMA descriptors (None: ``USE_TMA``).
+        num_warps, num_stages: launch parameters (the interpreter uses 4 warps); num_stages None:
+            3 with TMA, 4 without, the faster depth of each.
+        tma: load both operands through TMA descriptors (False: pointer loads, also the fallback
+            for operands TMA cannot address).
     Returns:
         (E, M, Ncol) ``out_dtype``; zeros for an expert with no rows.
     """
@@ -651,25 +621,12 @@ def fp8_wgrad(
     if bt_q.shape[1] != ld:
         raise ValueError(f"at_q and bt_q must have the same rows (dim 1): {ld} vs {bt_q.shape[1]}")
     E = offsets_E1.numel() - 1
-    # The scales have one column per tile in both layouts; q's columns tell the layouts apart
-    # (unpadded: Nr columns with Nr // 128 + E tiles, never 128 per tile when E >= 1).
-    s_cols = at_s.shape[-1] if at_s.dim() == 2 else -1
-    looks_padded = s_cols >= E and ld == s_cols * TILE
-    if padded:
-        if not looks_padded:
-            raise ValueError(
-                f"padded=True expects at_q (M, n_tiles * 128) with at_s (M, n_tiles), n_tiles >= E = {E} "
-                f"(quantize_cols_grouped(..., padded=True)); got at_q "
-                f"{tuple(at_q.shape)}, at_s {tuple(at_s.shape)} (an unpadded pair needs padded=False)"
-            )
-        n_tiles = s_cols
-    else:
-        n_tiles = max_tiles(ld, E, TILE)
-        if s_cols != n_tiles and looks_padded:
-            raise ValueError(
-                f"at_q {tuple(at_q.shape)} with at_s {tuple(at_s.shape)} is the padded layout "
-                f"(128 columns per tile): pass padded=True"
-            )
+    n_tiles = at_s.shape[-1] if at_s.dim() == 2 else -1
+    if n_tiles < E or ld != n_tiles * TILE:
+        raise ValueError(
+            f"fp8_wgrad expects at_q (M, n_tiles * 128) with at_s (M, n_tiles), n_tiles >= E = {E} "
+            f"(quantize_cols_grouped); got at_q {tuple(at_q.shape)}, at_s {tuple(at_s.shape)}"
+        )
     _check_scales(at_s, (M, n_tiles), "at_s")
     _check_scales(bt_s, (NCOL, n_tiles), "bt_s")
     if out_dtype not in (torch.bfloat16, torch.float32):
@@ -681,14 +638,13 @@ def fp8_wgrad(
     if out.numel() == 0:
         return out
     tile_offs = group_tile_offsets(offsets_E1)
-    use_tma = padded and (USE_TMA if tma is None else tma)
-    at_desc = _tma_descriptor(at_q, M, bm) if use_tma else None
-    bt_desc = _tma_descriptor(bt_q, NCOL, bn) if use_tma else None
+    at_desc = _tma_descriptor(at_q, M, bm) if tma else None
+    bt_desc = _tma_descriptor(bt_q, NCOL, bn) if tma else None
     if num_stages is None:
         num_stages = 3 if at_desc is not None and bt_desc is not None else 4
     _fp8_wgrad_kernel[(E * triton.cdiv(M, bm) * triton.cdiv(NCOL, bn),)](
         at_q, at_s, bt_q, bt_s, out, offsets_E1, tile_offs, at_desc, bt_desc, n_tiles, ld, M, NCOL,
-        BLOCK_M=bm, BLOCK_N=bn, SOFT=interpreting(), PADDED=padded,
+        BLOCK_M=bm, BLOCK_N=bn, SOFT=interpreting(),
         TMA=at_desc is not None and bt_desc is not None,
         num_warps=num_warps if not interpreting() else 4, num_stages=num_stages,
     )  # fmt: skip
@@ -729,30 +685,27 @@ def fp8_gate_up_swiglu_ref(x_q, x_s, w1_q, w1_s, w3_q, w3_s, sorted_slot_N, offs
     return g, u, torch.nn.functional.silu(g) * u
 
 
-def cols_grouped_dequant_ref(qt: torch.Tensor, st: torch.Tensor, offsets_E1: torch.Tensor,
-                             padded: bool = False) -> torch.Tensor:
-    """(Nr, K) float64 rows back from a :func:`quant.quantize_cols_grouped` pair (qt (K, Nr), st).
-
-    ``padded``: qt is (K, n_tiles * 128) in the padded layout; returns the offsets_E1[E] covered
-    rows (the padding is not read: a GEMM that relies on it being zero is checked against this).
-    """
+def cols_grouped_dequant_ref(qt: torch.Tensor, st: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
+    """(offsets_E1[E], K) float64 rows back from a :func:`blockwise.quantize_cols_grouped` pair
+    (qt (K, n_tiles * 128), st (K, n_tiles)). The padding is not read: a GEMM that relies on it
+    being zero is checked against this."""
     K = qt.shape[0]
     offs = offsets_E1.tolist()
-    out = torch.zeros((offs[-1] if padded else qt.shape[1], K), dtype=torch.float64, device=qt.device)
+    out = torch.zeros((offs[-1], K), dtype=torch.float64, device=qt.device)
     tile = 0
-    for e in range(offs.__len__() - 1):
+    for e in range(len(offs) - 1):
         for r0 in range(offs[e], offs[e + 1], TILE):
             r1 = min(r0 + TILE, offs[e + 1])
-            c0 = tile * TILE if padded else r0
+            c0 = tile * TILE
             out[r0:r1] = (qt[:, c0 : c0 + r1 - r0].double() * st[:, tile : tile + 1].double()).t()
             tile += 1
     return out
 
 
-def fp8_wgrad_ref(at_q, at_s, bt_q, bt_s, offsets_E1, padded=False) -> torch.Tensor:
-    """float64 (E, M, Ncol) reference of :func:`fp8_wgrad` (either layout, as ``padded`` says)."""
-    dy = cols_grouped_dequant_ref(at_q, at_s, offsets_E1, padded)
-    x = cols_grouped_dequant_ref(bt_q, bt_s, offsets_E1, padded)
+def fp8_wgrad_ref(at_q, at_s, bt_q, bt_s, offsets_E1) -> torch.Tensor:
+    """float64 (E, M, Ncol) reference of :func:`fp8_wgrad`."""
+    dy = cols_grouped_dequant_ref(at_q, at_s, offsets_E1)
+    x = cols_grouped_dequant_ref(bt_q, bt_s, offsets_E1)
     offs = offsets_E1.tolist()
     E = len(offs) - 1
     out = torch.zeros((E, dy.shape[1], x.shape[1]), dtype=torch.float64, device=dy.device)

@@ -27,13 +27,10 @@ multiples of 16 already (``components/float8.py`` checks).
 How it reaches the compiler: the linear is one ``torch.library`` custom op (``fp8_rowwise::linear``)
 whose autograd formula calls a second one (``fp8_rowwise::linear_backward``), both opaque to
 inductor, each quantizing its operands with :func:`quantize_rowwise_fast` (a row amax, then one
-Triton pass; bit for bit :func:`quantize_rowwise`). The first version, a ``torch.autograd.Function``
-traced by dynamo, trained wrongly on the GPU (BENCHMARKS Runs 14-17): under AOTAutograd on CUDA
-(torch 2.11, H200; ``aot_eager`` as well as inductor) the tangent reaching its backward was all
-zeros, so dx and dW came out zero (relative error 1.0), whether the backward's GEMMs were traced,
-behind a custom op, or its quantizations too; eager was right (3.8%), and the CPU right in every
-mode. That Function stays selectable (``IMPLEMENTATION = "function"``, with ``BACKWARD_MODE``) for
-``bench/fp8_linear.py``'s side-by-side check, not for training.
+Triton pass; bit for bit :func:`quantize_rowwise`). Why custom ops and not a
+``torch.autograd.Function`` traced by dynamo: under AOTAutograd on CUDA (torch 2.11, H200) such a
+Function's backward received an all-zero tangent, so dx and dW came out zero, while eager and the
+CPU were right.
 """
 
 from __future__ import annotations
@@ -56,13 +53,6 @@ ALIGN = 16  # _scaled_mm's (and _scaled_grouped_mm's) dimension multiple on CUDA
 # gradient GEMMs accumulate in full fp32, as their reductions (the tokens, in wgrad) are long.
 FAST_ACCUM_FORWARD = True
 FAST_ACCUM_BACKWARD = False
-
-# "custom_op" (training's): the custom ops above. "function": the torch.autograd.Function that
-# AOTAutograd mis-compiled on CUDA (module docstring), kept for bench/fp8_linear.py's comparison, with
-# BACKWARD_MODE choosing how its backward reaches the compiler: "opaque" (one custom op), "opaque_mm"
-# (quantizations traced, each _scaled_mm behind a custom op), "traced" (everything traced).
-IMPLEMENTATION = "custom_op"
-BACKWARD_MODE = "opaque"
 
 
 def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
@@ -87,8 +77,7 @@ def _quantize_rows_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, R, C, stride_r, stride_
                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """q[r, c] = e4m3(clamp(x[r, c] / s[r])) with s[r] = scale_from_amax(amax[r]) (power of two),
     for a (R, C) view of any strides; q contiguous. The column-block-0 programs store s. The scale
-    is computed here rather than by torch ops: those were ~5 tiny launches per quantization, 160
-    per step in the 235B proxy's FP8 projections (Run 20)."""
+    is computed here rather than by torch ops: those were ~5 tiny launches per quantization."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     rmask = rows < R
@@ -135,19 +124,6 @@ def pad_last_dim(x: torch.Tensor, multiple: int = ALIGN) -> torch.Tensor:
     return F.pad(x, (0, pad)) if pad else x
 
 
-@torch.library.custom_op("fp8_rowwise::scaled_mm", mutates_args=())
-def _scaled_mm_opaque(qa: torch.Tensor, qb: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
-                      use_fast_accum: bool) -> torch.Tensor:
-    """The GEMM alone behind a custom op (``BACKWARD_MODE = "opaque_mm"``): inductor still fuses
-    the quantizations around it but cannot lower the ``_scaled_mm`` call itself."""
-    return _scaled_mm(qa, qb, sa, sb, use_fast_accum)
-
-
-@_scaled_mm_opaque.register_fake
-def _(qa, qb, sa, sb, use_fast_accum):
-    return qa.new_empty((qa.shape[0], qb.shape[0]), dtype=torch.bfloat16)
-
-
 def _scaled_mm(qa: torch.Tensor, qb: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
                use_fast_accum: bool) -> torch.Tensor:
     if not qa.is_cuda:
@@ -160,16 +136,16 @@ def _scaled_mm(qa: torch.Tensor, qb: torch.Tensor, sa: torch.Tensor, sb: torch.T
 
 
 def scaled_mm_rowwise(a_MK: torch.Tensor, b_NK: torch.Tensor, use_fast_accum: bool,
-                      opaque_mm: bool = False, quantize=quantize_rowwise) -> torch.Tensor:
+                      quantize=quantize_rowwise) -> torch.Tensor:
     """``a @ b^T`` in FP8, both operands quantized rowwise over K: (M, K) x (N, K) -> (M, N) bf16.
 
     Any strides and float dtypes in; K is zero-padded to a multiple of 16 (zeros change no amax
-    and add nothing to the product). ``opaque_mm``: the GEMM behind a custom op (see BACKWARD_MODE).
-    ``quantize``: :func:`quantize_rowwise` (traced: inductor fuses it) or :func:`quantize_rowwise_fast`.
+    and add nothing to the product). ``quantize``: :func:`quantize_rowwise` (torch ops) or
+    :func:`quantize_rowwise_fast` (the same bytes, one Triton pass on CUDA).
     """
     qa, sa = quantize(pad_last_dim(a_MK))
     qb, sb = quantize(pad_last_dim(b_NK))
-    return (_scaled_mm_opaque if opaque_mm else _scaled_mm)(qa, qb, sa, sb, use_fast_accum)
+    return _scaled_mm(qa, qb, sa, sb, use_fast_accum)
 
 
 @torch.library.custom_op("fp8_rowwise::linear_backward", mutates_args=())
@@ -215,25 +191,6 @@ def _autograd_backward(ctx, dy_MN: torch.Tensor):
 _linear_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
-class _Float8LinearFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_MK: torch.Tensor, w_NK: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        ctx.save_for_backward(x_MK, w_NK)
-        return scaled_mm_rowwise(x_MK, w_NK, FAST_ACCUM_FORWARD).to(out_dtype)
-
-    @staticmethod
-    def backward(ctx, dy_MN: torch.Tensor):
-        x_MK, w_NK = ctx.saved_tensors
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if BACKWARD_MODE == "opaque":
-            dx_MK, dw_NK = _linear_backward(dy_MN, x_MK, w_NK, need_dx, need_dw)
-        else:  # traced: inductor compiles the quantizations (and, for "traced", the GEMM call too)
-            opaque_mm = BACKWARD_MODE == "opaque_mm"
-            dx_MK = scaled_mm_rowwise(dy_MN, w_NK.t(), FAST_ACCUM_BACKWARD, opaque_mm).to(x_MK.dtype) if need_dx else None
-            dw_NK = scaled_mm_rowwise(dy_MN.t(), x_MK.t(), FAST_ACCUM_BACKWARD, opaque_mm).to(w_NK.dtype) if need_dw else None
-        return dx_MK if need_dx else None, dw_NK if need_dw else None, None
-
-
 def fp8_linear(x: torch.Tensor, weight_NK: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ weight^T`` (no bias) with FP8 forward and backward GEMMs: (..., K) x (N, K) -> (..., N).
 
@@ -245,8 +202,5 @@ def fp8_linear(x: torch.Tensor, weight_NK: torch.Tensor, out_dtype: torch.dtype 
         raise ValueError(f"fp8_linear: x has {x.shape[-1]} features, the weight {tuple(weight_NK.shape)} wants "
                          f"{weight_NK.shape[1]}")
     x_MK = x.reshape(-1, x.shape[-1])
-    if IMPLEMENTATION == "custom_op":
-        y_MN = _linear_forward(x_MK, weight_NK).to(out_dtype or x.dtype)
-    else:
-        y_MN = _Float8LinearFn.apply(x_MK, weight_NK, out_dtype or x.dtype)
+    y_MN = _linear_forward(x_MK, weight_NK).to(out_dtype or x.dtype)
     return y_MN.view(*x.shape[:-1], weight_NK.shape[0])

@@ -1,4 +1,4 @@
-"""The ``mega_fp8`` MoE backend: the ``mega`` op with its GEMMs in block-scaled FP8 e4m3 (issue 6).
+"""The ``mega_fp8`` MoE backend: the ``mega`` op with its GEMMs in block-scaled FP8 e4m3.
 
 Chosen by ``[moe] backend = "mega"`` with ``[quantize] moe = "fp8_blockwise"``. Data path, in
 reading order:
@@ -14,6 +14,6 @@ The GEMM and quantization kernels are the building blocks of ``kernels/fp8``. Im
 registers the backend under the name ``"mega_fp8"``.
 """
 
-from kernels.moe.mega_fp8.op import MegaFP8Options, get_options, mega_moe_fp8, options, set_options
+from kernels.moe.mega_fp8.op import MegaFP8Options, mega_moe_fp8
 
-__all__ = ["MegaFP8Options", "get_options", "mega_moe_fp8", "options", "set_options"]
+__all__ = ["MegaFP8Options", "mega_moe_fp8"]

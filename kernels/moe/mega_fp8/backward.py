@@ -7,21 +7,22 @@ With g, u the gate/up halves of H (saved by the forward, expert-sorted rows r, s
     ds[slot]    = rowsum(dA'[r] * silu(g) * u)                           then _dh_from_da_kernel: the
     dgate = s * dA' * u * silu'(g),  dup = s * dA' * silu(g)             SwiGLU backward, which also
                                                                          writes dH quantized 1 x 128
-                                                                         (DH_SPLIT; else one fused
-                                                                         kernel, _fp8_dh_kernel)
     dXbuf[slot] = [dgate | dup] @ [w1[e]; w3[e]];  dx[t] = sum_k dXbuf   fp8_grouped_gemm over
                                                                          K = 2F, scatter epilogue
     dW1[e] = dgate_e^T @ x_e, dW3[e] = dup_e^T @ x_e, dW2[e] = dy_e^T @ (s * A)_e
         wgrad="fp8":  fp8_wgrad on operands quantized 128 x 1 along each expert's rows
-                      (quantize_cols_grouped; x and dy gathered by token in that pass), in the
-                      padded layout (one 128-column block per tile) while WGRAD_PADDED is set
+                      (quantize_cols_grouped; x and dy gathered by token in that pass), one
+                      zero-filled 128-column block per tile
         wgrad="bf16": the bf16 mega kernels ``dw13`` / ``dw2`` on dH, x, dy, s * A
+
+dA' is its own GEMM and the SwiGLU backward its own memory-bound kernel: fused into one kernel, the
+GEMM's and the epilogue's tiles are live at once (registers spill, one CTA per SM), which was slower.
 
 dgrad reads each weight transposed: w2[e] as (F, D) and [w1[e]; w3[e]] as (D, 2F). A 128 x 128
 block's scale serves both orientations, so the transposed operand is the e4m3 bytes transposed,
-written by the same quantization pass (``quantize_weight_into``), never a requantization. When F is not a multiple of 128 the dX
-GEMM's K = 2F is laid out as two halves of F rounded up to 128 (zero padded), so that no 1 x 128
-tile of dH and no weight block straddles the gate/up boundary.
+written by the same quantization pass (``quantize_weight_into``), never a requantization. When F
+is not a multiple of 128 the dX GEMM's K = 2F is laid out as two halves of F rounded up to 128
+(zero padded), so that no 1 x 128 tile of dH and no weight block straddles the gate/up boundary.
 
 Every sum has a fixed order (no float atomics): the backward is deterministic.
 """
@@ -32,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8.grouped_gemm import _kscales, _load_ab, _promote, fp8_grouped_gemm, fp8_wgrad
+from kernels.fp8.grouped_gemm import fp8_grouped_gemm, fp8_wgrad
 from kernels.fp8.blockwise import (
     FP8,
     TILE,
@@ -54,21 +55,8 @@ from kernels.moe.mega_fp8.weights import QuantizedExpertWeights
 
 WGRAD_PRECISIONS = ("fp8", "bf16")
 
-# The FP8 wgrad's token-dim operands in the padded layout of quantize_cols_grouped (each 128-row
-# tile in its own 128 aligned columns, zero filled): fp8_wgrad's loads are then aligned and
-# unmasked, so they can be vectorized; the unpadded layout's arbitrary expert offsets left byte loads.
-# BENCHMARKS Run 12 (30B shape, H200): dW1 7.44 ms unpadded vs 1.04 ms padded. Costs E * 128 more
-# columns per operand. False selects the unpadded layout (same numbers: same bytes and scales).
-WGRAD_PADDED = True
-
-# DH_SPLIT: dA' by fp8_grouped_gemm (dy rows gathered, fp32 out), then the SwiGLU backward + dH
-# quantization in an elementwise kernel, instead of the fused _fp8_dh_kernel. Why: the fused kernel
-# holds the GEMM's and the epilogue's tiles at once (255 registers, spills, one CTA per SM) and ran
-# at 1.75 ms at the 30B shape, ~2.5x a lone FP8 GEMM of its size (Runs 19, 21). Split: 1.13 ms
-# (Run 22 sweep, same call; predicted ~1.2); whole op 11.36 -> 10.53 ms at 30B, 34.6 -> 33.2 at
-# 235B. Read per call; False selects the fused kernel (the same numbers, bitwise).
-DH_SPLIT = True
-DH_EPILOGUE_BLOCK_M = 32  # rows per program of the split epilogue (memory-bound; ~6 fp32 tiles live)
+# Rows per program of the dH epilogue kernel (memory-bound; ~6 fp32 tiles of 128 columns live).
+DH_EPILOGUE_BLOCK_M = 32
 
 
 @triton.jit
@@ -97,67 +85,8 @@ def _dh_tile(table_ptr, offsets_ptr, sorted_slot_ptr, num_tiles, F, BLOCK_M: tl.
 
 
 @triton.jit
-def _fp8_dh_kernel(
-    dy_ptr,  # (T, D) e4m3
-    dys_ptr,  # (T, DB) fp32
-    w2t_ptr,  # (E, F, D) e4m3: w2's bytes transposed
-    w2ts_ptr,  # (E, FB, DB) fp32: w2's block scales transposed
-    h_ptr,  # (N, 2F) [gate | up]
-    s_ptr,  # (N,) fp32 routing weights by slot
-    dh_ptr,  # (N, 2F) out: [dgate | dup], activation dtype
-    dhq_ptr,  # (N, 2 * FP) uint8 out: e4m3 dgate at column 0, dup at column FP
-    dhs_ptr,  # (N, 2 * FB) fp32 out: their 1 x 128 scales
-    sa_ptr,  # (N, F) out: s * silu(g) * u (if STORE_SA)
-    ds_part_ptr,  # (FB, N) fp32 out: partial routing-weight grads by slot
-    sorted_slot_ptr,
-    offsets_ptr,
-    table_ptr,
-    num_tiles,
-    N,
-    K_TOP,
-    D,
-    F,
-    BLOCK_M: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    STORE_SA: tl.constexpr,
-    POW2: tl.constexpr,
-    SOFT: tl.constexpr,
-):
-    # BLOCK_N is the scale tile (128): each program's columns are exactly one 1 x 128 tile of dgate
-    # and one of dup, so the dX GEMM's operand is quantized here, with no pass over dH.
-    expert, rows, rmask, slot, pid_n, offs_n = _dh_tile(table_ptr, offsets_ptr, sorted_slot_ptr, num_tiles, F,
-                                                        BLOCK_M)
-    if expert < 0:
-        return
-    # Rows past the expert's end read token 0 (a valid row) and are dropped at the stores.
-    tok = (slot // K_TOP).to(tl.int64)
-    FB = tl.cdiv(F, 128)
-    DB = tl.cdiv(D, 128)
-    e64 = expert.to(tl.int64)
-    offs_n_ld = offs_n % F
-    offs_k = tl.arange(0, 128)
-    a_ptrs = dy_ptr + tok[:, None] * D + offs_k[None, :]
-    b_ptrs = w2t_ptr + e64 * F * D + offs_n_ld.to(tl.int64)[None, :] * D + offs_k[:, None]
-    as_base = dys_ptr + tok * DB
-    bs_base = w2ts_ptr + (e64 * FB + pid_n) * DB  # one weight scale block per tile and K block
-    acc = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
-    # Scales prefetched one K block ahead (kernels/fp8/grouped_gemm.py, _promote's note).
-    sa, sb = _kscales(as_base, bs_base, 0, DB)
-    for kb in range(0, DB):
-        a, b = _load_ab(a_ptrs, b_ptrs, kb, D, offs_k, EVEN_K)
-        sa_next, sb_next = _kscales(as_base, bs_base, kb + 1, DB)
-        acc = _promote(acc, tl.dot(a, b), sa, sb, True)
-        sa, sb = sa_next, sb_next
-        a_ptrs += 128
-        b_ptrs += 128
-
-    _dh_epilogue(acc, rows, rmask, slot, offs_n, pid_n, s_ptr, h_ptr, dh_ptr, dhq_ptr, dhs_ptr, sa_ptr,
-                 ds_part_ptr, N, F, FB, STORE_SA, POW2, SOFT)
-
-
-@triton.jit
 def _dh_from_da_kernel(
-    da_ptr,  # (N, F) fp32: dA' by expert-sorted row (fp8_grouped_gemm, DH_SPLIT)
+    da_ptr,  # (N, F) fp32: dA' by expert-sorted row (fp8_grouped_gemm)
     h_ptr,  # (N, 2F) [gate | up]
     s_ptr,  # (N,) fp32 routing weights by slot
     dh_ptr,  # (N, 2F) out
@@ -176,13 +105,14 @@ def _dh_from_da_kernel(
     POW2: tl.constexpr,
     SOFT: tl.constexpr,
 ):
-    """The dh kernel's epilogue on its own, over dA' computed by a separate FP8 GEMM (DH_SPLIT)."""
+    """The SwiGLU backward over dA' (computed by fp8_grouped_gemm): dH, its 1 x 128 quantization,
+    s * A and the partial ds, one 128-column tile of F per program."""
     expert, rows, rmask, slot, pid_n, offs_n = _dh_tile(table_ptr, offsets_ptr, sorted_slot_ptr, num_tiles, F,
                                                         BLOCK_M)
     if expert < 0:
         return
     FB = tl.cdiv(F, 128)
-    # Columns past F read as 0 (the fused kernel's wrapped columns meet act = 0 there too).
+    # Columns past F read as 0.
     amask = rmask[:, None] & (offs_n < F)[None, :]
     acc = tl.load(da_ptr + rows.to(tl.int64)[:, None] * F + offs_n[None, :], mask=amask, other=0.0)
     _dh_epilogue(acc, rows, rmask, slot, offs_n, pid_n, s_ptr, h_ptr, dh_ptr, dhq_ptr, dhs_ptr, sa_ptr,
@@ -231,12 +161,6 @@ def _dh_epilogue(acc, rows, rmask, slot, offs_n, pid_n, s_ptr, h_ptr, dh_ptr, dh
     tl.store(ds_part_ptr + pid_n * N + slot, ds_part, mask=rmask)
 
 
-def dh_block_m() -> int:
-    """Row tile of the dH kernel. On the GPU 64, not 128: the SwiGLU-backward epilogue keeps ~6
-    fp32 tiles of 128 columns live (an untuned guess; the bf16 kernel splits its epilogue instead)."""
-    return 16 if interpreting() else 64
-
-
 def dh_swiglu(
     dy_q: torch.Tensor,
     dy_s: torch.Tensor,
@@ -248,10 +172,6 @@ def dh_swiglu(
     offsets_E1: torch.Tensor,
     store_sa: bool = True,
     pow2_scales: bool = False,
-    block_m: int | None = None,
-    num_warps: int = 8,
-    num_stages: int = 3,
-    split: bool | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor | None]:
     """FP8 dA' = dy_gathered @ w2[e] with the SwiGLU backward and the routing-weight grad as epilogue.
 
@@ -260,10 +180,7 @@ def dh_swiglu(
         w2t_q, w2t_s: (E, F, D) e4m3 and (E, ceil(F/128), ceil(D/128)) fp32: w2's quantized bytes
             and block scales transposed (``q.mT``, ``s.mT``, contiguous).
         h_N2F: (N, 2F) [gate | up] from the forward; topk_weights_TK: (T, K) fp32.
-        block_m, num_warps, num_stages: launch parameters (default ``dh_block_m()``, 8, 3; for
-            the benchmark sweep; the interpreter always uses 4 warps) of the fused kernel.
-        split: dA' by a separate FP8 GEMM, then the epilogue kernel (None: ``DH_SPLIT``); the same
-            results up to the GEMMs' accumulation order on the GPU (bitwise under the interpreter).
+        sorted_slot_N: (N,) int32, offsets_E1: (E+1,) int32 (``sort_by_expert``).
     Returns:
         dh_N2F: (N, 2F) [dgate | dup] in h's dtype, expert-sorted rows.
         (dh_q, dh_s): (N, 2 * FP) e4m3 and (N, 2 * ceil(F/128)) fp32, FP = F rounded up to 128:
@@ -285,28 +202,17 @@ def dh_swiglu(
     ds_part_PN = torch.empty((FB, N), device=dev, dtype=torch.float32)
     if N == 0:
         return dh_N2F, (dh_q, dh_s), ds_part_PN.sum(0).view(T, K), sa_NF
-    if DH_SPLIT if split is None else split:
-        gbm, _ = gemm_blocks()
-        da_NF = fp8_grouped_gemm(dy_q, dy_s, w2t_q, w2t_s, offsets_E1, sorted_slot_N, K, out_dtype=torch.float32,
-                                 block_m=gbm, block_n=TILE)
-        ebm = 16 if interpreting() else DH_EPILOGUE_BLOCK_M
-        e_tiles = max_tiles(N, E, ebm)
-        _dh_from_da_kernel[(e_tiles * FB,)](
-            da_NF, h_N2F, topk_weights_TK, dh_N2F, dh_q.view(torch.uint8), dh_s, sa_NF if store_sa else dh_N2F,
-            ds_part_PN, sorted_slot_N, offsets_E1, tile_table(offsets_E1, N, ebm), e_tiles, N, F,
-            BLOCK_M=ebm, STORE_SA=store_sa, POW2=pow2_scales, SOFT=interpreting(),
-            num_warps=8 if not interpreting() else 4,
-        )  # fmt: skip
-    else:
-        bm = block_m or dh_block_m()
-        n_tiles = max_tiles(N, E, bm)
-        _fp8_dh_kernel[(n_tiles * FB,)](
-            dy_q, dy_s, w2t_q, w2t_s, h_N2F, topk_weights_TK, dh_N2F, dh_q.view(torch.uint8), dh_s,
-            sa_NF if store_sa else dh_N2F, ds_part_PN, sorted_slot_N, offsets_E1, tile_table(offsets_E1, N, bm),
-            n_tiles, N, K, D, F,
-            BLOCK_M=bm, EVEN_K=D % TILE == 0, STORE_SA=store_sa, POW2=pow2_scales, SOFT=interpreting(),
-            num_warps=num_warps if not interpreting() else 4, num_stages=num_stages,
-        )  # fmt: skip
+    gbm, _ = gemm_blocks()
+    da_NF = fp8_grouped_gemm(dy_q, dy_s, w2t_q, w2t_s, offsets_E1, sorted_slot_N, K, out_dtype=torch.float32,
+                             block_m=gbm, block_n=TILE)
+    ebm = 16 if interpreting() else DH_EPILOGUE_BLOCK_M
+    e_tiles = max_tiles(N, E, ebm)
+    _dh_from_da_kernel[(e_tiles * FB,)](
+        da_NF, h_N2F, topk_weights_TK, dh_N2F, dh_q.view(torch.uint8), dh_s, sa_NF if store_sa else dh_N2F,
+        ds_part_PN, sorted_slot_N, offsets_E1, tile_table(offsets_E1, N, ebm), e_tiles, N, F,
+        BLOCK_M=ebm, STORE_SA=store_sa, POW2=pow2_scales, SOFT=interpreting(),
+        num_warps=8 if not interpreting() else 4,
+    )  # fmt: skip
     return dh_N2F, (dh_q, dh_s), ds_part_PN.sum(0).view(T, K), sa_NF
 
 
@@ -341,8 +247,8 @@ def dx_weight(w1_EFD: torch.Tensor, w3_EFD: torch.Tensor, pow2_scales: bool = Fa
         q: (E, D, 2 * FP) e4m3, w1[e]^T at columns [0, F), w3[e]^T at [FP, FP + F), zeros between
             (FP = F rounded up to 128), matching the layout of :func:`dh_swiglu`'s dH.
         s: (E, ceil(D/128), 2 * ceil(F/128)) fp32 block scales.
-    Written by the quantization passes (``quantize_weight_into``); a torch.cat of the transposed
-    halves took 13.5 ms at the 235B shape (Run 22 profile).
+    Written by the quantization passes (``quantize_weight_into``): a torch.cat of the transposed
+    halves would be another pass over the weights' bytes, a slow one.
     """
     E, F, D = w1_EFD.shape
     FB = triton.cdiv(F, TILE)
@@ -388,7 +294,6 @@ def moe_fp8_backward(
     else:
         w2t_q, w2t_s = quantized.w2t_q, quantized.w2t_s
     tiles128 = tile_table(offsets_E1, N, TILE)
-    pad = WGRAD_PADDED  # read per call, so a test or a benchmark can switch layouts
     dh_N2F, (dh_q, dh_s), ds_TK, sa_NF = dh_swiglu(
         dy_q, dy_s, w2t_q, w2t_s, h_N2F, topk_weights_TK, sorted_slot_N, offsets_E1,
         store_sa=True, pow2_scales=pow2_scales,
@@ -421,14 +326,14 @@ def moe_fp8_backward(
     # FP8 wgrad: both operands quantized along the reduction (token) dim in 128-row blocks of one
     # expert. dH's 2F columns are quantized in one pass; its gate and dup halves are contiguous row
     # ranges of the transposed copy, so dW1 and dW3 are two GEMMs with no slicing copy.
-    xt_q, xt_s = quantize_cols_grouped(x_TD, offsets_E1, sorted_slot_N, K, pow2_scales, tiles128, padded=pad)
-    dht_q, dht_s = quantize_cols_grouped(dh_N2F, offsets_E1, None, 1, pow2_scales, tiles128, padded=pad)
+    xt_q, xt_s = quantize_cols_grouped(x_TD, offsets_E1, sorted_slot_N, K, pow2_scales, tiles128)
+    dht_q, dht_s = quantize_cols_grouped(dh_N2F, offsets_E1, None, 1, pow2_scales, tiles128)
     del dh_N2F
     bm, bn = _wgrad_blocks()
-    dw1_EFD = fp8_wgrad(dht_q[:F], dht_s[:F], xt_q, xt_s, offsets_E1, w1_EFD.dtype, bm, bn, padded=pad)
-    dw3_EFD = fp8_wgrad(dht_q[F:], dht_s[F:], xt_q, xt_s, offsets_E1, w3_EFD.dtype, bm, bn, padded=pad)
+    dw1_EFD = fp8_wgrad(dht_q[:F], dht_s[:F], xt_q, xt_s, offsets_E1, w1_EFD.dtype, bm, bn)
+    dw3_EFD = fp8_wgrad(dht_q[F:], dht_s[F:], xt_q, xt_s, offsets_E1, w3_EFD.dtype, bm, bn)
     del xt_q, xt_s, dht_q, dht_s
-    dyt_q, dyt_s = quantize_cols_grouped(dy_TD, offsets_E1, sorted_slot_N, K, pow2_scales, tiles128, padded=pad)
-    sat_q, sat_s = quantize_cols_grouped(sa_NF, offsets_E1, None, 1, pow2_scales, tiles128, padded=pad)
-    dw2_EDF = fp8_wgrad(dyt_q, dyt_s, sat_q, sat_s, offsets_E1, w2_EDF.dtype, bm, bn, padded=pad)
+    dyt_q, dyt_s = quantize_cols_grouped(dy_TD, offsets_E1, sorted_slot_N, K, pow2_scales, tiles128)
+    sat_q, sat_s = quantize_cols_grouped(sa_NF, offsets_E1, None, 1, pow2_scales, tiles128)
+    dw2_EDF = fp8_wgrad(dyt_q, dyt_s, sat_q, sat_s, offsets_E1, w2_EDF.dtype, bm, bn)
     return dx_TD, dw1_EFD, dw3_EFD, dw2_EDF, ds_TK

@@ -17,16 +17,15 @@ again in the backward), or once per optimizer step by the caller and passed as `
 does this in training), in which case the weights themselves are only gradient carriers: they may
 be the float32 master weights, whose gradients the kernels then write in float32 directly.
 
-Options (:class:`MegaFP8Options`, module-wide through :func:`set_options` / :func:`options`):
-``wgrad`` "fp8" (default) or "bf16" for the weight gradients, ``pow2_scales`` to round every scale
-up to a power of two.
+Options (:class:`MegaFP8Options`, passed per call as ``options=``; the defaults when None):
+``wgrad`` "fp8" or "bf16" for the weight gradients, ``pow2_scales`` to round every scale up to a
+power of two. The custom ops take them as plain arguments, and the autograd formula hands the
+forward's to the backward.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Iterator
 
 import torch
 
@@ -46,10 +45,11 @@ _Tensors5 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.
 class MegaFP8Options:
     """Knobs of the ``mega_fp8`` backend.
 
-    wgrad: "fp8" computes dW1, dW3, dW2 with ``kernels.fp8.grouped_gemm.fp8_wgrad`` on operands
-        quantized 128 x 1 along each expert's tokens; "bf16" runs the bf16 mega kernels (``dw13``,
+    wgrad: "fp8" (default) computes dW1, dW3, dW2 with ``kernels.fp8.grouped_gemm.fp8_wgrad`` on
+        operands quantized 128 x 1 along each expert's tokens; "bf16" runs the bf16 mega kernels (``dw13``,
         ``dw2``) on the unquantized dH, x, dy and s * A (the weight gradients then carry only the
-        error of the FP8 dgrad that produced dH).
+        error of the FP8 dgrad that produced dH). The bf16 path is slower but keeps the FP8
+        rounding out of the weight gradients: a numerical choice, not a speed one.
     pow2_scales: round every scale up to a power of two (rescaling is exact; a tile's largest
         value then maps into [224, 448] instead of to 448).
     """
@@ -60,32 +60,6 @@ class MegaFP8Options:
     def __post_init__(self):
         if self.wgrad not in WGRAD_PRECISIONS:
             raise ValueError(f"MegaFP8Options.wgrad must be one of {WGRAD_PRECISIONS}, got {self.wgrad!r}")
-
-
-_OPTIONS = MegaFP8Options()
-
-
-def get_options() -> MegaFP8Options:
-    return _OPTIONS
-
-
-def set_options(new: MegaFP8Options) -> MegaFP8Options:
-    """Use ``new`` for every later call of the backend; returns the previous options."""
-    global _OPTIONS
-    if not isinstance(new, MegaFP8Options):
-        raise TypeError(f"set_options takes a MegaFP8Options, got {type(new).__name__}")
-    previous, _OPTIONS = _OPTIONS, new
-    return previous
-
-
-@contextlib.contextmanager
-def options(**changes) -> Iterator[MegaFP8Options]:
-    """``with options(wgrad="bf16"): ...``: the current options with ``changes`` inside the block."""
-    previous = set_options(dataclasses.replace(_OPTIONS, **changes))
-    try:
-        yield _OPTIONS
-    finally:
-        set_options(previous)
 
 
 @torch.library.custom_op("mega_moe_fp8::forward", mutates_args=())
@@ -190,6 +164,7 @@ def mega_moe_fp8(
     w3_EFD: torch.Tensor,
     w2_EDF: torch.Tensor,
     quantized: QuantizedExpertWeights | None = None,
+    options: MegaFP8Options | None = None,
 ) -> torch.Tensor:
     """Routed-expert SwiGLU MLP, block-scaled FP8 GEMMs in fused Triton kernels.
 
@@ -206,13 +181,17 @@ def mega_moe_fp8(
             ``QuantizedExpertWeights.quantize(w1, w3, w2, pow2_scales)`` since the weights last
             changed (the op cannot tell if they are stale). The weights are then read only for
             their shapes and gradients, and may be any float dtype (e.g. the float32 master
-            weights: their gradients are written in float32).
+            weights: their gradients are written in float32). Quantized with the options'
+            ``pow2_scales`` (checked).
+        options: :class:`MegaFP8Options` (None: the defaults).
 
     Returns:
         y_TD: (T, D) bfloat16. Differentiable w.r.t. x, the three weights (grads in their dtypes)
-        and topk_weights_TK (fp32 grad). Deterministic. Options: :class:`MegaFP8Options`.
+        and topk_weights_TK (fp32 grad). Deterministic.
     """
-    opts = _OPTIONS
+    opts = options if options is not None else MegaFP8Options()
+    if not isinstance(opts, MegaFP8Options):
+        raise TypeError(f"mega_fp8: options must be a MegaFP8Options, got {type(opts).__name__}")
     if quantized is None:
         _check_bf16(x_TD, w1_EFD, w3_EFD, w2_EDF)
         _check_inputs(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF)
