@@ -9,11 +9,13 @@ random softmax routing renormalised over the top-k):
 1. correctness: bf16 mega vs the plain-PyTorch reference run in fp32 on the same (bf16-valued)
    inputs; relative Frobenius error of y and of the five gradients;
 2. time of forward and forward+backward (CUDA events, median of --iters after warm-up) for mega and
-   the ``grouped_mm`` backend (or, if that does not import, an inline sort + ``torch._grouped_mm``
-   baseline), each eager and under ``torch.compile(fullgraph=True)``;
+   the ``grouped_mm`` backend, each eager and under ``torch.compile(fullgraph=True)``;
 3. a sweep of tile configs for each of the six mega GEMM kernels, timed alone, then the whole op
    again with the best config of each kernel, and the ``MegaMoEConfigs`` line to paste into
    ``kernels/moe/mega/configs.py``.
+
+Configs other than the defaults go to ``moe_forward`` / ``moe_backward`` directly (the custom op
+always runs ``get_configs``' defaults).
 
 TFLOP/s count 6*N*D*F for the forward and 18*N*D*F for forward+backward (N = T*K), router excluded.
 """
@@ -26,11 +28,10 @@ import time
 import traceback
 
 import torch
-import torch.nn.functional as F
 
 from bench.timing import time_ms
 from kernels.moe import get_moe_backend
-from kernels.moe.mega import MegaMoEConfigs, TileConfig, get_configs, mega_moe, override_configs
+from kernels.moe.mega import MegaMoEConfigs, TileConfig, get_configs, mega_moe, moe_backward, moe_forward
 from kernels.moe.mega import backward as mb
 from kernels.moe.mega import forward as mf
 from kernels.moe.routing import sort_by_expert, tile_table
@@ -42,9 +43,9 @@ SHAPES = {
 }
 
 # Candidates per kernel: TileConfig(block_m, block_n, block_k, num_warps, num_stages, epilogue_split,
-# persistent). Session 2: persistent grids (1 program per SM, tile loop flattened so the next tile's
-# loads overlap this tile's epilogue) for the M-tiled kernels; dW13 is one GEMM over the 2F columns of
-# dH (block_m now tiles 2F), so 128 x 256 tiles read 85 FLOP per L2 byte instead of 51.
+# persistent). Persistent grids (1 program per SM, tile loop flattened so the next tile's loads
+# overlap this tile's epilogue) for the M-tiled kernels; dW13 is one GEMM over the 2F columns of dH
+# (block_m tiles 2F), so 128 x 256 tiles read 85 FLOP per L2 byte instead of 51.
 SWEEP = {
     "gate_up": [(128, 128, 64, 8, 4), (128, 128, 64, 8, 4, 1, 1), (128, 128, 64, 8, 3, 1, 1), (128, 128, 32, 8, 4, 1, 1)],
     "down": [(128, 256, 64, 8, 4), (128, 256, 64, 8, 4, 1, 1), (128, 256, 64, 8, 3, 1, 1), (128, 128, 64, 8, 4, 1, 1)],
@@ -76,31 +77,6 @@ def make_inputs(T, D, F, E, K, dtype=torch.bfloat16, seed=0):
     return x, ids, s, w1, w3, w2, dy
 
 
-def sorted_grouped_mm_moe(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF):
-    """Fallback baseline: sort by expert, gather, three torch._grouped_mm, weighted un-permute."""
-    T, D = x_TD.shape
-    K = topk_ids_TK.shape[1]
-    E = w1_EFD.shape[0]
-    sorted_ids, order = torch.sort(topk_ids_TK.reshape(-1), stable=True)
-    ends = torch.arange(1, E + 1, device=x_TD.device, dtype=sorted_ids.dtype)
-    offs = torch.searchsorted(sorted_ids, ends).to(torch.int32)
-    xs = x_TD[order // K]
-    gate = torch._grouped_mm(xs, w1_EFD.transpose(-2, -1), offs=offs)
-    up = torch._grouped_mm(xs, w3_EFD.transpose(-2, -1), offs=offs)
-    out = torch._grouped_mm(F.silu(gate) * up, w2_EDF.transpose(-2, -1), offs=offs)
-    out = out * topk_weights_TK.reshape(-1)[order, None].to(out.dtype)
-    slots = torch.zeros_like(out).index_copy(0, order, out)
-    return slots.view(T, K, D).float().sum(dim=1).to(x_TD.dtype)
-
-
-def baseline_backend():
-    try:
-        return "grouped_mm", get_moe_backend("grouped_mm")
-    except Exception as exc:  # the lead's backend may not exist yet
-        log(f"  grouped_mm backend unavailable ({type(exc).__name__}: {exc}); using inline sort+_grouped_mm")
-        return "sort+_grouped_mm", sorted_grouped_mm_moe
-
-
 def check_correctness(inputs) -> dict[str, float]:
     x, ids, s, w1, w3, w2, dy = inputs
     leaves = [t.clone().requires_grad_() for t in (x, s, w1, w3, w2)]
@@ -130,14 +106,28 @@ def time_backend(fn, inputs, iters):
     return time_ms(fwd, iters), time_ms(fwd_bwd, iters)
 
 
-def profile_mega(inputs) -> None:
-    """Per-kernel GPU time of one mega forward+backward (torch profiler), to see where time goes."""
+def time_mega_configs(configs: MegaMoEConfigs, inputs, iters):
+    """Forward and forward+backward times of mega with ``configs``, through the launchers."""
     x, ids, s, w1, w3, w2, dy = inputs
-    leaves = [t.clone().requires_grad_() for t in (x, s, w1, w3, w2)]
+
+    def fwd():
+        moe_forward(x, ids, s, w1, w3, w2, configs)
+
+    return time_ms(fwd, iters), time_ms(lambda: mega_step(configs, inputs), iters)
+
+
+def mega_step(configs: MegaMoEConfigs, inputs):
+    """One mega forward and backward with ``configs`` (what the op's autograd runs)."""
+    x, ids, s, w1, w3, w2, dy = inputs
+    y, h, slots, offsets = moe_forward(x, ids, s, w1, w3, w2, configs)
+    return y, moe_backward(dy, x, s, w1, w3, w2, h, slots, offsets, configs)
+
+
+def profile_mega(configs: MegaMoEConfigs, inputs) -> None:
+    """Per-kernel GPU time of one mega forward+backward (torch profiler), to see where time goes."""
 
     def step():
-        y = mega_moe(leaves[0], ids, *leaves[1:])
-        torch.autograd.grad(y, leaves, dy)
+        mega_step(configs, inputs)
 
     step()
     torch.cuda.synchronize()
@@ -174,9 +164,6 @@ def sweep_kernels(inputs, iters, flop_unit):
         "dw13": lambda c: mb.dw13(x, dh, slots, offsets, E, K, c),
         "dw2": lambda c: mb.dw2(dy, h, s, sa, slots, offsets, E, c),
     }
-    ms = time_ms(lambda: mb.dw2(dy, h, s, None, slots, offsets, E, default.dw2), iters)
-    log(f"    dw2 rebuilding s*A from H (dw2_from_h=True), default tiles: {ms:7.3f} ms "
-        f"{KERNEL_FLOPS['dw2'] * flop_unit / ms / 1e9:6.1f} TFLOP/s")
     best = {}
     for name, candidates in SWEEP.items():
         results = []
@@ -194,24 +181,19 @@ def sweep_kernels(inputs, iters, flop_unit):
             except Exception as exc:
                 log(f"    {name:8s} {cand}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
         best[name] = min(results, key=lambda r: r[0])[1] if results else getattr(default, name)
-    return MegaMoEConfigs(**best)
+    return MegaMoEConfigs(**best)  # the Triton backward (grouped_mm_backward off): its kernels are what was swept
 
 
 def config_variant(name: str, D: int, F: int, E: int) -> MegaMoEConfigs:
-    """The default configs with named changes, '+'-joined: wgrad_gmm (weight gradients through
-    torch._grouped_mm), wgrad_triton, dh_gmm / dh_triton (dA' by torch._grouped_mm + an elementwise
-    SwiGLU backward, or the fused dh kernel), dx_gmm / dx_triton (dX by two torch._grouped_mm and a
-    gather-sum over k, or the dx kernel), down_persistent / down_plain (persistent grid or not)."""
+    """The default configs with named changes, '+'-joined: bwd_gmm / bwd_triton (dA', dX and the
+    weight gradients through torch._grouped_mm, or the fused Triton backward kernels),
+    down_persistent / down_plain (persistent grid or not)."""
     configs = get_configs(D, F, E)
     for part in name.split("+"):
         if part == "default":
             continue
-        elif part in ("wgrad_gmm", "wgrad_triton"):
-            configs = dataclasses.replace(configs, wgrad="grouped_mm" if part == "wgrad_gmm" else "triton")
-        elif part in ("dx_gmm", "dx_triton"):
-            configs = dataclasses.replace(configs, dx_gemm="grouped_mm" if part == "dx_gmm" else "triton")
-        elif part in ("dh_gmm", "dh_triton"):
-            configs = dataclasses.replace(configs, dh_gemm="grouped_mm" if part == "dh_gmm" else "triton")
+        elif part in ("bwd_gmm", "bwd_triton"):
+            configs = dataclasses.replace(configs, grouped_mm_backward=part == "bwd_gmm")
         elif part in ("down_persistent", "down_plain"):
             down = dataclasses.replace(configs.down, persistent=int(part == "down_persistent"))
             configs = dataclasses.replace(configs, down=down)
@@ -235,8 +217,9 @@ def run_shape(label, shape, args, table_rows):
         + f"  ({time.time() - t0:.1f} s)")  # fmt: skip
     torch.cuda.empty_cache()
 
-    base_name, base_fn = baseline_backend()
-    variants = [("mega", mega_moe, False), ("mega", mega_moe, True), (base_name, base_fn, False), (base_name, base_fn, True)]
+    base_fn = get_moe_backend("grouped_mm")
+    variants = [("mega", mega_moe, False), ("mega", mega_moe, True), ("grouped_mm", base_fn, False),
+                ("grouped_mm", base_fn, True)]
     if args.only_mega:
         variants = variants[:1]
     for name, fn, compiled in variants:
@@ -257,27 +240,24 @@ def run_shape(label, shape, args, table_rows):
 
     for variant in args.config_variants.split(",") if args.config_variants else []:
         configs = config_variant(variant, D, Fdim, E)
-        with override_configs(configs):
-            try:
-                f_ms, fb_ms = time_backend(mega_moe, inputs, args.iters)
-            except Exception as exc:
-                log(f"  mega [{variant}]: FAILED {type(exc).__name__}: {str(exc)[:300]}")
-                continue
+        try:
+            f_ms, fb_ms = time_mega_configs(configs, inputs, args.iters)
+        except Exception as exc:
+            log(f"  mega [{variant}]: FAILED {type(exc).__name__}: {str(exc)[:300]}")
+            continue
         log(f"  mega [{variant:22s}] eager fwd {f_ms:7.3f} ms ({6 * unit / f_ms / 1e9:6.1f} TFLOP/s)  "
             f"fwd+bwd {fb_ms:7.3f} ms ({18 * unit / fb_ms / 1e9:6.1f} TFLOP/s)")  # fmt: skip
         table_rows.append((label, f"mega eager [{variant}]", f_ms, 6 * unit / f_ms / 1e9, fb_ms, 18 * unit / fb_ms / 1e9))
 
     if args.profile:
-        with override_configs(config_variant(args.profile_variant, D, Fdim, E)):
-            profile_mega(inputs)
+        profile_mega(config_variant(args.profile_variant, D, Fdim, E), inputs)
 
     if not args.no_sweep:
         log("  per-kernel tile sweep (each kernel alone):")
         best = sweep_kernels(inputs, args.iters, unit)
         log(f"  best configs for (D={D}, F={Fdim}, E={E}):")
         log("    " + repr(best).replace("TileConfig", "\n      TileConfig"))
-        with override_configs(best):
-            f_ms, fb_ms = time_backend(mega_moe, inputs, args.iters)
+        f_ms, fb_ms = time_mega_configs(best, inputs, args.iters)
         log(f"  mega (best tiles)  eager    fwd {f_ms:7.3f} ms ({6 * unit / f_ms / 1e9:6.1f} TFLOP/s)  "
             f"fwd+bwd {fb_ms:7.3f} ms ({18 * unit / fb_ms / 1e9:6.1f} TFLOP/s)")  # fmt: skip
         table_rows.append((label, "mega eager, best tiles", f_ms, 6 * unit / f_ms / 1e9, fb_ms, 18 * unit / fb_ms / 1e9))
@@ -294,7 +274,7 @@ def main() -> None:
     parser.add_argument("--only-mega", action="store_true", help="time mega eager only (no baseline, no compile)")
     parser.add_argument("--profile-variant", default="default", help="config variant to profile (see --config-variants)")
     parser.add_argument("--config-variants", default="", help="comma-separated config variants to time in "
-                        "eager mode after the main variants, e.g. wgrad_gmm,wgrad_gmm+down_persistent")
+                        "eager mode after the main variants, e.g. bwd_triton,bwd_gmm+down_plain")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     log(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "

@@ -1,4 +1,4 @@
-"""The MoE-layer benchmark of the Mega MoE issue: every backend on the same inputs, in one process.
+"""The MoE-layer benchmark: every backend on the same inputs, in one process.
 
     python -m bench.moe_layer                                  # all shapes, tokens, routings (~6 min, H200)
     python -m bench.moe_layer --shapes 30B --tokens 16384 --routing balanced --out /tmp/moe
@@ -97,7 +97,7 @@ def compiled_backend(name: str):
 
     Training compiles static shapes (fixed seq len). One compiled function reused across cases
     would recompile dynamic after the first new T (dynamo's automatic dynamic shapes), and that
-    cost compiled ``grouped_mm`` 24% at 235B (Run 10: 37.8 ms vs 30.0-30.5 static in Runs 6-7)."""
+    cost compiled ``grouped_mm`` 24% at 235B (37.8 ms vs 30.0-30.5 ms static)."""
     if name not in _COMPILED:
         _COMPILED[name] = torch.compile(get_moe_backend(name), fullgraph=True, dynamic=False)
     return _COMPILED[name]

@@ -1,5 +1,8 @@
 """Triton helpers shared by every kernel in ``kernels/``: the interpreter switch, the fp32-accumulating
-``tl.dot`` wrapper, the output cast, the tile prologues of the grouped GEMMs and their launch grids."""
+``tl.dot`` wrapper, the output cast, the tile prologues of the grouped GEMMs and their launch grids.
+
+The ``@triton.jit`` helpers are inlined into the kernels that call them, so sharing them changes no
+generated code."""
 
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ from typing import TYPE_CHECKING
 import torch
 import triton
 import triton.language as tl
+
+from kernels.moe.routing import max_tiles, tile_table
 
 if TYPE_CHECKING:
     from kernels.moe.mega.configs import TileConfig
@@ -87,27 +92,70 @@ def num_work(table_ptr, num_tiles, num_n):
     return tl.load(table_ptr + 2 * num_tiles) * num_n
 
 
+@triton.jit
+def m_tile_rows(work, num_n, table_ptr, offsets_ptr, num_tiles, BLOCK_M: tl.constexpr):
+    """Rows of work item ``work`` (M-tile slowest, N-tile fastest) of an M-tiled grouped GEMM with
+    ``num_n`` N-tiles: (N-tile index, then :func:`tile_rows`' expert, rows, row mask, safe rows)."""
+    pid_m = work // num_n
+    pid_n = work % num_n
+    expert, rows, rmask, safe_rows = tile_rows(table_ptr, offsets_ptr, num_tiles, pid_m, BLOCK_M)
+    return pid_n, expert, rows, rmask, safe_rows
+
+
+@triton.jit
+def n_tile_cols(pid_n, N, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Columns of N-tile ``pid_n`` over N and the first K step: (offs_n, offs_n_ld, offs_k).
+    ``offs_n_ld`` wraps columns past N back into range, so that the K loop loads them unmasked; the
+    store drops them."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n_ld = offs_n % N
+    offs_k = tl.arange(0, BLOCK_K)
+    return offs_n, offs_n_ld, offs_k
+
+
+@triton.jit
+def load_k(ptrs, offs_k, k0, K, EVEN_K: tl.constexpr, K_AXIS: tl.constexpr):
+    """One K step's operand tile, masked past K unless EVEN_K; K runs along axis ``K_AXIS`` (0 or 1)."""
+    if EVEN_K:
+        tile = tl.load(ptrs)
+    elif K_AXIS == 0:
+        tile = tl.load(ptrs, mask=(offs_k + k0 < K)[:, None], other=0.0)
+    else:
+        tile = tl.load(ptrs, mask=(offs_k + k0 < K)[None, :], other=0.0)
+    return tile
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def m_tiled_launch(n_tiles: int, num_n: int, cfg: TileConfig, device: torch.device) -> tuple[tuple[int], dict]:
-    """Grid and loop arguments of an M-tiled GEMM kernel (gate_up, down, dh, dx).
+def m_tiled_launch(
+    offsets_E1: torch.Tensor, num_rows: int, num_n: int, cfg: TileConfig, tiles: torch.Tensor | None = None
+) -> tuple[tuple[int], torch.Tensor, int, dict]:
+    """Launch arguments of an M-tiled GEMM kernel (gate_up, down, dh, dx) over ``num_rows`` expert-sorted
+    rows with ``num_n`` N-tiles: (grid, tile table, its number of tiles, keyword arguments).
 
-    Every program loops ``for work in range(pid, num_work, NUM_PROGS)`` over the real tiles only. With
+    ``tiles`` is a :func:`~kernels.moe.routing.tile_table` of ``cfg.block_m`` to reuse, or None to build
+    one. The keyword arguments are the block sizes, the loop arguments and the launch options. Every
+    program loops ``for work in range(pid, num_work, NUM_PROGS)`` over the real tiles only. With
     ``cfg.persistent`` = p > 0 the grid is p programs per SM and the loop is flattened
     (``tl.range(..., flatten=True)``) so that the next tile's loads are issued during this tile's
     epilogue; with 0 the grid is the static bound (one program per possible tile), surplus programs
     skip the loop. Under the interpreter a persistent grid is 3 programs, to exercise the loop.
     """
+    n_tiles = max_tiles(num_rows, offsets_E1.numel() - 1, cfg.block_m)
+    if tiles is None:
+        tiles = tile_table(offsets_E1, num_rows, cfg.block_m)
     total = max(n_tiles * num_n, 1)
     if cfg.persistent:
-        progs = 3 if interpreting() else cfg.persistent * _num_sms(device.index or 0)
+        progs = 3 if interpreting() else cfg.persistent * _num_sms(offsets_E1.device.index or 0)
         progs = min(total, progs)
     else:
         progs = total
-    return (progs,), dict(NUM_PROGS=progs, PERSISTENT=bool(cfg.persistent))
+    kwargs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_PROGS=progs,
+                  PERSISTENT=bool(cfg.persistent), **launch_options(cfg))
+    return (progs,), tiles, n_tiles, kwargs
 
 
 def launch_flags(dtype: torch.dtype) -> dict:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.moe import register_moe_backend
+from kernels.moe.routing import sort_by_expert
 
 
 def _probe_cpu_grouped_mm() -> bool:
@@ -72,14 +73,6 @@ def _grouped_mm_dense(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) ->
     return torch.einsum("en,enm->nm", mask_EN, torch.matmul(a.unsqueeze(0), b))
 
 
-def sort_slots_by_expert(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(expert of each (token, k) slot N with empty slots (-1) as ``num_experts``, the slot order
-    sorted by that key, stable N): empty slots sort last."""
-    sort_key_N = topk_ids_TK.reshape(-1)
-    sort_key_N = torch.where(sort_key_N < 0, num_experts, sort_key_N)
-    return sort_key_N, torch.argsort(sort_key_N, stable=True)
-
-
 def combine(out_RD: torch.Tensor, row_of_slot_N: torch.Tensor, topk_ids_TK: torch.Tensor,
             topk_weights_TK: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """y[t] = sum_k topk_weights[t, k] * out[row_of_slot[t*K + k]], in ``dtype``.
@@ -94,18 +87,18 @@ def combine(out_RD: torch.Tensor, row_of_slot_N: torch.Tensor, topk_ids_TK: torc
 
 
 def route_by_expert(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(slot order sorted by expert (stable) N, cumulative row offsets per expert E as int32).
+    """(N,) int64 slot order sorted by expert (stable) and (E,) int32 cumulative row ends per expert:
+    :func:`~kernels.moe.routing.sort_by_expert` with its offsets in ``torch._grouped_mm``'s form.
 
     Empty slots (id -1) sort last and are counted into the last expert's group: they are computed
     and then masked. That costs their FLOPs, but keeps every row inside a group, because
     ``_grouped_mm`` leaves rows past the last offset undefined (in its output and in the input
     gradient) and, on CPU, returns only ``offs[-1]`` rows.
     """
-    sort_key_N, sorted_slots_N = sort_slots_by_expert(topk_ids_TK, num_experts)
-    ids_N = sort_key_N.clamp(max=num_experts - 1)  # ... counted into the last expert's group
-    counts_E = torch.zeros(num_experts, dtype=torch.int32, device=ids_N.device)
-    counts_E = counts_E.scatter_add(0, ids_N, torch.ones_like(ids_N, dtype=torch.int32))
-    return sorted_slots_N, torch.cumsum(counts_E, 0, dtype=torch.int32)
+    sorted_slot_N, offsets_E1 = sort_by_expert(topk_ids_TK, num_experts)
+    N = sorted_slot_N.numel()
+    offs_E = torch.cat([offsets_E1[1:-1], offsets_E1.new_full((1,), N)])  # ... into the last expert's group
+    return sorted_slot_N.long(), offs_E
 
 
 @register_moe_backend("grouped_mm")

@@ -36,7 +36,8 @@ import torch.nn.functional as F
 
 from kernels.moe import register_moe_backend
 from kernels.fp8.rowwise import ALIGN, E4M3, E4M3_MAX, quantize_rowwise, scale_from_amax
-from kernels.moe.grouped_mm import combine, grouped_mm, sort_slots_by_expert
+from kernels.moe.grouped_mm import combine, grouped_mm
+from kernels.moe.routing import sort_by_expert
 
 FAST_ACCUM = True  # torchao's FP8 grouped GEMMs use fast accumulation forward and backward
 
@@ -53,16 +54,18 @@ def route_by_expert_aligned(topk_ids_TK: torch.Tensor, num_experts: int
     N, E = T * K, num_experts
     P = -(-N // ALIGN) * ALIGN + ALIGN * E  # holds sum_e max(ceil16(count_e), 16) for any routing
     device = topk_ids_TK.device
-    sort_key_N, sorted_slots_N = sort_slots_by_expert(topk_ids_TK, E)
-    counts_E = torch.zeros(E + 1, dtype=torch.int64, device=device)
-    counts_E = counts_E.scatter_add(0, sort_key_N, torch.ones_like(sort_key_N))[:E]
+    sorted_slots_N, offsets_E1 = (t.long() for t in sort_by_expert(topk_ids_TK, E))
+    counts_E = offsets_E1.diff()
     padded_E = ((counts_E + ALIGN - 1) // ALIGN).clamp(min=1) * ALIGN
-    key_sorted_N = sort_key_N[sorted_slots_N]
-    valid_N = key_sorted_N < E
-    e_N = key_sorted_N.clamp(max=E - 1)
+    # Sorted row r belongs to expert e where offsets_E1[e] <= r < offsets_E1[e + 1]; rows from
+    # offsets_E1[E] on are empty slots (sorted after every expert), placed with the last expert
+    # and then dropped.
+    r_N = torch.arange(N, device=device)
+    valid_N = r_N < offsets_E1[E]
+    e_N = torch.searchsorted(offsets_E1[1:], r_N, right=True).clamp(max=E - 1)
     # Row = start of the expert's padded group + rank among the expert's slots (sorted, stable).
     group_start_E = torch.cumsum(padded_E, 0) - padded_E
-    rank_N = torch.arange(N, device=device) - (torch.cumsum(counts_E, 0) - counts_E)[e_N]
+    rank_N = r_N - offsets_E1[e_N]
     row_sorted_N = group_start_E[e_N] + rank_N
     row_of_slot_N = torch.empty_like(row_sorted_N).scatter(0, sorted_slots_N, torch.where(valid_N, row_sorted_N, 0))
     token_of_row_P = torch.full((P + 1,), T, dtype=torch.int64, device=device)  # row P: a sink for empty slots

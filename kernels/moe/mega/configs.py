@@ -1,9 +1,12 @@
 """Tile configurations of the mega-MoE kernels, chosen per problem shape from a small table.
 
 Each Triton kernel of the op takes its block sizes, warps and pipeline stages from a
-:class:`TileConfig`. :func:`get_configs` returns one per kernel for a shape ``(D, F, E)``; the
-benchmark (``bench/mega_moe_gpu.py``) times alternatives through :func:`override_configs` so that
-the table below can be updated from measurements on the H200 without touching the kernels.
+:class:`TileConfig`. :func:`get_configs` returns the default :class:`MegaMoEConfigs` for a shape
+``(D, F, E)`` and dtype; :func:`~kernels.moe.mega.forward.moe_forward` and
+:func:`~kernels.moe.mega.backward.moe_backward` take a ``configs`` argument, through which the
+benchmark (``bench/mega_moe_gpu.py``) times alternatives, so that the table below can be updated
+from measurements on the H200 without touching the kernels. The configs are frozen values passed
+down explicitly; nothing here is process state.
 
 Kernel names (the keys of :class:`MegaMoEConfigs`):
 
@@ -20,9 +23,7 @@ routing schedule; for the weight-gradient kernels ``block_k`` is the row chunk o
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Iterator
 
 import torch
 
@@ -51,37 +52,24 @@ class MegaMoEConfigs:
     dx: TileConfig
     dw13: TileConfig
     dw2: TileConfig
-    # True: dW2 rebuilds s * A from H in its loads (no N x F buffer in the backward, slower).
-    dw2_from_h: bool = False
-    # Weight gradients: "triton" = the K-grouped kernels above, gathering x and dy rows in their
-    # loads; "grouped_mm" = torch._grouped_mm (cuBLAS) on expert-sorted copies of x and dy made in
-    # the backward (2 x N x D transient memory, freed before it returns; nothing more is saved for
-    # backward). Only for bf16 on CUDA (and CPU tests); otherwise the Triton kernels run.
-    wgrad: str = "triton"
-    # dA' = dy_e @ w2[e] of the dh step: "triton" = the dh kernel (dy rows gathered in its loads,
-    # SwiGLU backward in its epilogue); "grouped_mm" = torch._grouped_mm on the expert-sorted dy
-    # copy (made for the weight gradients anyway) followed by the same SwiGLU backward as a separate
-    # elementwise kernel. bf16 on CUDA (and CPU tests) only, like ``wgrad``.
-    dh_gemm: str = "triton"
-    # dX: "triton" = the dx kernel (per-slot rows, then a sum over k); "grouped_mm" = two
-    # torch._grouped_mm (dgate @ w1[e], dup @ w3[e]) into expert-sorted rows, then one gather-sum over
-    # k of both buffers by each slot's row (one more N x D transient than the Triton path). bf16 on
-    # CUDA (and CPU tests) only.
-    dx_gemm: str = "triton"
+    # True: the backward's GEMMs other than the fused Triton ones run as torch._grouped_mm (cuBLAS)
+    # on expert-sorted copies of dy and x made in the backward (2 x N x D transient memory, freed
+    # before it returns; nothing more is saved for backward): dA' = dy_e @ w2[e] followed by the
+    # SwiGLU backward as an elementwise kernel, dX as two grouped GEMMs (dgate @ w1[e], dup @ w3[e])
+    # and a gather-sum over k, and the three weight gradients. Where torch._grouped_mm has no kernel
+    # for the dtype (anything but bf16 on CUDA) the Triton kernels dh, dx, dw13, dw2 run instead; on
+    # CPU (interpreter tests) grouped_mm's loop over the experts stands in, so both paths are tested.
+    grouped_mm_backward: bool = False
 
 
 # Best of the sweeps in bench/mega_moe_gpu.py on one H200 (torch 2.11, triton 3.6); the same configs
 # won (or were within 5%) at both target shapes. dh needs its epilogue split in column halves to
 # run a 128x128 tile without spilling (1.9 -> 1.3 ms at 30B); four operand tiles per pipeline
-# stage (dx) need block_k 32 to fit 3 stages in the 227 KiB of shared memory. Session 2 (BENCHMARKS
-# Run 4): a persistent grid helps only the down GEMM (0.86 vs 1.02 ms alone at 30B; the flattened
-# tile loop made gate_up, dh and dx slower, dh 2.6x), and cuBLAS grouped GEMMs on expert-sorted
-# copies beat the Triton weight-gradient kernels (whole op 10.08 -> 9.11 ms at 30B, 36.4 -> 31.3
-# at 235B); dw13/dw2 tiles are kept for fp32 and for wgrad="triton". dA' by cuBLAS on the same
-# sorted dy copy plus an elementwise SwiGLU backward beats the fused dh kernel (Run 7: 9.08 -> 8.75
-# ms at 30B, 31.3 -> 30.5 ms at 235B); the dh tiles stay for fp32 and dh_gemm="triton". dX by two
-# cuBLAS grouped GEMMs and a gather-sum (session 3, Run 9: 8.75-8.86 -> 8.60-8.70 ms at 30B, 30.7
-# -> 30.1-30.2 ms at 235B, both variants timed twice in one process); dx tiles stay for fp32.
+# stage (dx) need block_k 32 to fit 3 stages in the 227 KiB of shared memory. A persistent grid
+# helps only the down GEMM (0.86 vs 1.02 ms alone at 30B; the flattened tile loop made gate_up, dh
+# and dx slower, dh 2.6x). The cuBLAS backward (grouped_mm_backward) beat the Triton dh, dx and
+# weight-gradient kernels for bf16 (whole op 10.08 -> 8.6 ms at 30B, 36.4 -> 30.1 ms at 235B); the
+# dh, dx, dw13 and dw2 tiles are kept for fp32, which those kernels compute.
 _GPU_DEFAULT = MegaMoEConfigs(
     gate_up=TileConfig(128, 128, 64, 8, 4),
     down=TileConfig(128, 256, 64, 8, 4, persistent=1),
@@ -89,9 +77,7 @@ _GPU_DEFAULT = MegaMoEConfigs(
     dx=TileConfig(128, 256, 32, 8, 3),
     dw13=TileConfig(128, 128, 64, 8, 4),
     dw2=TileConfig(128, 128, 64, 8, 3),
-    wgrad="grouped_mm",
-    dh_gemm="grouped_mm",
-    dx_gemm="grouped_mm",
+    grouped_mm_backward=True,
 )
 
 # Keyed on (D, F, E). Entries for the two target shapes; any other shape gets _GPU_DEFAULT.
@@ -114,13 +100,9 @@ _INTERPRET_DEFAULT = MegaMoEConfigs(
     dw2=TileConfig(32, 32, 16, 4, 1),
 )
 
-_OVERRIDE: MegaMoEConfigs | None = None
-
 
 def get_configs(D: int, F: int, E: int, dtype: torch.dtype = torch.bfloat16) -> MegaMoEConfigs:
-    """Tile configs for a problem with model dim D, expert hidden F, E experts, activation dtype."""
-    if _OVERRIDE is not None:
-        return _OVERRIDE
+    """Default tile configs for model dim D, expert hidden dim F, E experts and activation dtype."""
     if interpreting():
         return _INTERPRET_DEFAULT
     configs = _GPU_TABLE.get((D, F, E), _GPU_DEFAULT)
@@ -134,13 +116,3 @@ def get_configs(D: int, F: int, E: int, dtype: torch.dtype = torch.bfloat16) -> 
         configs = dataclasses.replace(configs, **halve)
     return configs
 
-
-@contextlib.contextmanager
-def override_configs(configs: MegaMoEConfigs) -> Iterator[None]:
-    """Use ``configs`` for every mega-MoE call inside the block (benchmarks; eager mode only)."""
-    global _OVERRIDE
-    previous, _OVERRIDE = _OVERRIDE, configs
-    try:
-        yield
-    finally:
-        _OVERRIDE = previous

@@ -18,9 +18,9 @@ import triton
 import triton.language as tl
 
 from kernels.moe.combine import sum_over_k, valid_slots
-from kernels.triton_utils import launch_flags, launch_options, m_tiled_launch, mma, num_work, tile_rows
-from kernels.moe.mega.configs import MegaMoEConfigs, TileConfig
-from kernels.moe.routing import max_tiles, sort_by_expert, tile_table
+from kernels.moe.mega.configs import MegaMoEConfigs, TileConfig, get_configs
+from kernels.moe.routing import sort_by_expert, tile_table
+from kernels.triton_utils import launch_flags, load_k, m_tile_rows, m_tiled_launch, mma, n_tile_cols, num_work
 
 
 @triton.jit
@@ -48,17 +48,12 @@ def _gate_up_kernel(
 ):
     num_n = tl.cdiv(F, BLOCK_N)
     for work in tl.range(tl.program_id(0), num_work(table_ptr, num_tiles, num_n), NUM_PROGS, flatten=PERSISTENT):
-        pid_m = work // num_n
-        pid_n = work % num_n
-        expert, rows, rmask, _ = tile_rows(table_ptr, offsets_ptr, num_tiles, pid_m, BLOCK_M)
-
+        pid_n, expert, rows, rmask, _ = m_tile_rows(work, num_n, table_ptr, offsets_ptr, num_tiles, BLOCK_M)
         # Rows past the expert's end read token 0 (a valid row) and are dropped at the store, so the
         # K loop needs no row mask.
         slot = tl.load(sorted_slot_ptr + rows, mask=rmask, other=0)
         tok = (slot // K_TOP).to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_n_ld = offs_n % F  # same trick for columns past F
-        offs_k = tl.arange(0, BLOCK_K)
+        offs_n, offs_n_ld, offs_k = n_tile_cols(pid_n, F, BLOCK_N, BLOCK_K)
         x_ptrs = x_ptr + tok[:, None] * D + offs_k[None, :]
         w_off = expert.to(tl.int64) * F * D + offs_n_ld[None, :] * D + offs_k[:, None]  # (BK, BN)
         w1_ptrs = w1_ptr + w_off
@@ -67,15 +62,9 @@ def _gate_up_kernel(
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, D, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(x_ptrs)
-                b1 = tl.load(w1_ptrs)
-                b3 = tl.load(w3_ptrs)
-            else:
-                kmask = offs_k + k0 < D
-                a = tl.load(x_ptrs, mask=kmask[None, :], other=0.0)
-                b1 = tl.load(w1_ptrs, mask=kmask[:, None], other=0.0)
-                b3 = tl.load(w3_ptrs, mask=kmask[:, None], other=0.0)
+            a = load_k(x_ptrs, offs_k, k0, D, EVEN_K, 1)
+            b1 = load_k(w1_ptrs, offs_k, k0, D, EVEN_K, 0)
+            b3 = load_k(w3_ptrs, offs_k, k0, D, EVEN_K, 0)
             acc_g = mma(a, b1, acc_g, UPCAST, IEEE)
             acc_u = mma(a, b3, acc_u, UPCAST, IEEE)
             x_ptrs += BLOCK_K
@@ -119,25 +108,15 @@ def _down_kernel(
 ):
     num_n = tl.cdiv(D, BLOCK_N)
     for work in tl.range(tl.program_id(0), num_work(table_ptr, num_tiles, num_n), NUM_PROGS, flatten=PERSISTENT):
-        pid_m = work // num_n
-        pid_n = work % num_n
-        expert, rows, rmask, safe_rows = tile_rows(table_ptr, offsets_ptr, num_tiles, pid_m, BLOCK_M)
-
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_n_ld = offs_n % D
-        offs_k = tl.arange(0, BLOCK_K)
+        pid_n, expert, rows, rmask, safe_rows = m_tile_rows(work, num_n, table_ptr, offsets_ptr, num_tiles, BLOCK_M)
+        offs_n, offs_n_ld, offs_k = n_tile_cols(pid_n, D, BLOCK_N, BLOCK_K)
         a_ptrs = a_ptr + safe_rows.to(tl.int64)[:, None] * F + offs_k[None, :]
         w_ptrs = w2_ptr + expert.to(tl.int64) * D * F + offs_n_ld[None, :] * F + offs_k[:, None]
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, F, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-                b = tl.load(w_ptrs)
-            else:
-                kmask = offs_k + k0 < F
-                a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
-                b = tl.load(w_ptrs, mask=kmask[:, None], other=0.0)
+            a = load_k(a_ptrs, offs_k, k0, F, EVEN_K, 1)
+            b = load_k(w_ptrs, offs_k, k0, F, EVEN_K, 0)
             acc = mma(a, b, acc, UPCAST, IEEE)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
@@ -162,24 +141,25 @@ def gate_up(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gathered gate/up GEMM with SwiGLU epilogue.
 
+    Args:
+        x_TD: (T, D) activations; w1_EFD, w3_EFD: (E, F, D), x's dtype.
+        sorted_slot_N: (N,) int32 and offsets_E1: (E+1,) int32 from ``routing.sort_by_expert``.
+        top_k: K (N = T*K). cfg: the ``gate_up`` tiles. tiles: a ``routing.tile_table`` of
+            ``cfg.block_m`` to reuse, or None.
+
     Returns:
         h_N2F: (N, 2F) [gate | up] in x's dtype, expert-sorted rows.
         a_NF: (N, F) silu(gate) * up in x's dtype, expert-sorted rows.
     """
     T, D = x_TD.shape
-    E, F, _ = w1_EFD.shape
+    F = w1_EFD.shape[1]
     N = T * top_k
     h_N2F = torch.empty((N, 2 * F), device=x_TD.device, dtype=x_TD.dtype)
     a_NF = torch.empty((N, F), device=x_TD.device, dtype=x_TD.dtype)
-    if tiles is None:
-        tiles = tile_table(offsets_E1, N, cfg.block_m)
-    n_tiles = max_tiles(N, E, cfg.block_m)
-    grid, loop = m_tiled_launch(n_tiles, triton.cdiv(F, cfg.block_n), cfg, x_TD.device)
+    grid, tiles, n_tiles, launch = m_tiled_launch(offsets_E1, N, triton.cdiv(F, cfg.block_n), cfg, tiles)
     _gate_up_kernel[grid](
-        x_TD, w1_EFD, w3_EFD, h_N2F, a_NF, sorted_slot_N, offsets_E1, tiles,
-        n_tiles, top_k, D, F,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=D % cfg.block_k == 0,
-        **launch_flags(x_TD.dtype), **launch_options(cfg), **loop,
+        x_TD, w1_EFD, w3_EFD, h_N2F, a_NF, sorted_slot_N, offsets_E1, tiles, n_tiles, top_k, D, F,
+        EVEN_K=D % cfg.block_k == 0, **launch_flags(x_TD.dtype), **launch,
     )  # fmt: skip
     return h_N2F, a_NF
 
@@ -195,21 +175,20 @@ def down(
 ) -> torch.Tensor:
     """Down GEMM whose epilogue scales by the routing weight and writes each row to its slot.
 
+    Args:
+        a_NF: (N, F) expert-sorted rows; w2_EDF: (E, D, F), a's dtype; topk_weights_TK: (T, K) fp32.
+        sorted_slot_N, offsets_E1, cfg, tiles: as in :func:`gate_up` (cfg: the ``down`` tiles).
+
     Returns:
         ybuf_ND: (N, D) in a's dtype, row t*K+k holding s[t,k] * w2[e] @ A[row of (t, k)].
     """
     N, F = a_NF.shape
-    E, D, _ = w2_EDF.shape
+    D = w2_EDF.shape[1]
     ybuf_ND = torch.empty((N, D), device=a_NF.device, dtype=a_NF.dtype)
-    if tiles is None:
-        tiles = tile_table(offsets_E1, N, cfg.block_m)
-    n_tiles = max_tiles(N, E, cfg.block_m)
-    grid, loop = m_tiled_launch(n_tiles, triton.cdiv(D, cfg.block_n), cfg, a_NF.device)
+    grid, tiles, n_tiles, launch = m_tiled_launch(offsets_E1, N, triton.cdiv(D, cfg.block_n), cfg, tiles)
     _down_kernel[grid](
-        a_NF, w2_EDF, topk_weights_TK, ybuf_ND, sorted_slot_N, offsets_E1, tiles,
-        n_tiles, D, F,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=F % cfg.block_k == 0,
-        **launch_flags(a_NF.dtype), **launch_options(cfg), **loop,
+        a_NF, w2_EDF, topk_weights_TK, ybuf_ND, sorted_slot_N, offsets_E1, tiles, n_tiles, D, F,
+        EVEN_K=F % cfg.block_k == 0, **launch_flags(a_NF.dtype), **launch,
     )  # fmt: skip
     return ybuf_ND
 
@@ -221,10 +200,12 @@ def moe_forward(
     w1_EFD: torch.Tensor,
     w3_EFD: torch.Tensor,
     w2_EDF: torch.Tensor,
-    configs: MegaMoEConfigs,
+    configs: MegaMoEConfigs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the forward pass. Inputs contiguous; x and weights one dtype; routing weights fp32.
-    Expert ids of -1 mark empty slots (expert parallelism's padding), which contribute nothing.
+    """Launch the forward pass. Inputs contiguous: x_TD (T, D), topk_ids_TK (T, K) int32/int64,
+    topk_weights_TK (T, K) fp32, w1_EFD and w3_EFD (E, F, D), w2_EDF (E, D, F) in x's dtype. Expert
+    ids of -1 mark empty slots (expert parallelism's padding), which contribute nothing. ``configs``
+    None takes :func:`~kernels.moe.mega.configs.get_configs`' defaults.
 
     Returns:
         y_TD: (T, D) in x's dtype.
@@ -232,7 +213,9 @@ def moe_forward(
         sorted_slot_N: (N,) int32, offsets_E1: (E+1,) int32 (see ``routing.sort_by_expert``).
     """
     T, K = topk_ids_TK.shape
-    E = w1_EFD.shape[0]
+    E, F, D = w1_EFD.shape
+    if configs is None:
+        configs = get_configs(D, F, E, x_TD.dtype)
     sorted_slot_N, offsets_E1 = sort_by_expert(topk_ids_TK, E)
     tiles = tile_table(offsets_E1, T * K, configs.gate_up.block_m)
     h_N2F, a_NF = gate_up(x_TD, w1_EFD, w3_EFD, sorted_slot_N, offsets_E1, K, configs.gate_up, tiles)

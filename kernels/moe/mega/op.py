@@ -16,9 +16,8 @@ import torch
 
 from kernels.moe import register_moe_backend
 from kernels.moe.mega.backward import moe_backward
-from kernels.moe.mega.configs import get_configs
-from kernels.triton_utils import interpreting
 from kernels.moe.mega.forward import moe_forward
+from kernels.triton_utils import interpreting
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _Tensors4 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -97,10 +96,10 @@ def _forward_op(
     w3_EFD: torch.Tensor,
     w2_EDF: torch.Tensor,
 ) -> _Tensors4:
-    """Returns (y_TD, h_N2F, sorted_slot_N int32, offsets_E1 int32); topk_weights_TK is fp32."""
+    """Returns (y_TD, h_N2F, sorted_slot_N int32, offsets_E1 int32); topk_weights_TK is fp32. The
+    tiles are ``get_configs``' defaults (a custom op's arguments are tensors and scalars only)."""
     _check_device(x_TD)
-    E, F, D = w1_EFD.shape
-    return moe_forward(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, get_configs(D, F, E, x_TD.dtype))
+    return moe_forward(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF)
 
 
 @_forward_op.register_fake
@@ -128,13 +127,9 @@ def _backward_op(
     sorted_slot_N: torch.Tensor,
     offsets_E1: torch.Tensor,
 ) -> _Tensors5:
-    """Returns (dx_TD, dw1_EFD, dw3_EFD, dw2_EDF, dtopk_weights_TK fp32)."""
+    """Returns (dx_TD, dw1_EFD, dw3_EFD, dw2_EDF, dtopk_weights_TK fp32), with ``get_configs``' tiles."""
     _check_device(x_TD)
-    E, F, D = w1_EFD.shape
-    return moe_backward(
-        dy_TD, x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, h_N2F, sorted_slot_N, offsets_E1,
-        get_configs(D, F, E, x_TD.dtype),
-    )  # fmt: skip
+    return moe_backward(dy_TD, x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, h_N2F, sorted_slot_N, offsets_E1)
 
 
 @_backward_op.register_fake
@@ -187,6 +182,10 @@ def mega_moe(
     Returns:
         y_TD: (T, D) in the dtype of x. Differentiable w.r.t. x, the three weights and
         topk_weights_TK. Deterministic (no float atomics).
+
+    The tiles are :func:`~kernels.moe.mega.configs.get_configs`' defaults for the shape; to run
+    other ones (benchmarks), call ``forward.moe_forward`` and ``backward.moe_backward`` with
+    ``configs``.
     """
     _check_inputs(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF)
     y_TD, _, _, _ = torch.ops.mega_moe.forward(
