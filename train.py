@@ -20,6 +20,9 @@ import numpy as np
 import torch
 
 from components.checkpoint import CheckpointError, CheckpointManager, model_identity
+from components.compute_weights import (EXPERT_WEIGHTS, ComputeLinear, attach_to_optimizer, enable_compute_weights,
+                                        expert_mode, grad_carriers, invalidate_compute_weights,
+                                        refresh_compute_weights)
 from components.config import ConfigError, JobConfig, parse_args
 from components.dataloader import DataError, build_dataloader
 from components.loss import build_loss_fn
@@ -27,14 +30,9 @@ from components.float8 import convert_to_float8
 from components.metrics import MetricsLogger, flops_per_token
 from components.optimizer import build_lr_scheduler, build_optimizer, folds_grad_scale
 from components.profiling import StepProfiler
-from components.shadow_weights import attach_shadows_to_optimizer, enable_shadows
-from components.shadow_weights import grad_carriers as shadow_grad_carriers
 from components.tokenizer import TokenizerError, build_tokenizer
 from kernels.moe import available_moe_backends, resolve_moe_backend
 from models.moe.router import TokenChoiceTopKRouter, update_expert_bias
-from models.moe.weight_cache import (attach_caches_to_optimizer, cache_mode, enable_expert_weight_cache,
-                                     expert_grad_carriers, invalidate_expert_weight_caches,
-                                     refresh_expert_weight_caches)
 from models.qwen3.args import get_model_args
 from models.qwen3.model import Qwen3MoE, count_params
 from parallelisms import parallelize_model
@@ -65,7 +63,7 @@ def check_implemented(cfg: JobConfig) -> None:
         # Correct on the H200 (its GPU tests pass) but slower than bf16 there: say so at start.
         print("warning: [quantize] moe = \"fp8_blockwise\" (the FP8 mega kernels) is correct but still slower "
               "than bf16 mega on the H200 (whole op 9.8 vs 8.7 ms at the 30B shape with cached weights; "
-              "tokens/s 4% under bf16 experts at the 30B proxy, BENCHMARKS Run 23); for speed use "
+              "tokens/s 4% under bf16 experts at the 30B proxy, BENCHMARKS.md); for speed use "
               "[quantize] moe = \"none\"",
               file=sys.stderr, flush=True)
 
@@ -132,30 +130,10 @@ class Trainer:
         model.to_empty(device=self.device)
         model.init_weights()
         self.model = model
-        self.weight_cache_mode = self._enable_weight_cache(cfg)
-
-        # bf16 copies that the optimizer writes and that carry the gradients: Triton AdamW, one process
-        # under bf16 autocast, and one micro-batch per step (accumulation would sum in bf16).
-        self.shadow_weights = (cfg.optimizer.shadow_weights and cfg.optimizer.implementation == "triton"
-                               and not self.distributed and t.mixed_precision_param == "bfloat16"
-                               and self.grad_accum_steps == 1)
-        self.shadowed_linears = []
-        self.caches_in_optimizer = 0  # expert weight caches the optimizer writes (set below)
         self.loss_fn = build_loss_fn(cfg.compile.enable and cfg.compile.loss, cfg.compile.backend)
         self.optimizer = build_optimizer(model, cfg.optimizer, self.device.type)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, t.steps, cfg.lr_scheduler)
-        if self.weight_cache_mode is not None:
-            # For eager forwards outside train_step (which refreshes the caches itself).
-            self.optimizer.register_step_post_hook(lambda *_: invalidate_expert_weight_caches(model))
-            # The Triton AdamW writes the bf16 copies in its own pass (after the hook above: synced wins)
-            # and, without accumulation (which would sum in bf16), reads the experts' bf16 gradients
-            # off them: no float32 expert gradients (models/moe/weight_cache.py, "Gradient carriers").
-            self.caches_in_optimizer = attach_caches_to_optimizer(model, self.optimizer,
-                                                                  carry_grads=self.shadow_weights)
-        if self.shadow_weights:
-            # The dense linears likewise compute with bf16 copies the optimizer writes (components/shadow_weights.py).
-            self.shadowed_linears = enable_shadows(model, skip=(TokenChoiceTopKRouter,))
-            attach_shadows_to_optimizer(self.shadowed_linears, self.optimizer)
+        self._enable_compute_weights(cfg)
         self.checkpoint = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, model, self.optimizer,
                                             self.lr_scheduler, self.dataloader,
                                             model_identity(self.model_args, m.flavor))
@@ -167,30 +145,47 @@ class Trainer:
         self.amp = (torch.autocast(self.device.type, dtype=torch.bfloat16)
                     if t.mixed_precision_param == "bfloat16" and not self.distributed else contextlib.nullcontext())
 
-    def _enable_weight_cache(self, cfg: JobConfig) -> str | None:
-        """Cache the experts' compute-form weights per optimizer step (models/moe/weight_cache.py)
-        where this trainer converts them per call; returns the mode or None."""
-        if not cfg.moe.cache_expert_weights:
-            return None
-        backend = resolve_moe_backend(cfg.moe.backend, cfg.quantize.moe)
-        if not self.distributed:
-            dtype = torch.bfloat16 if cfg.training.mixed_precision_param == "bfloat16" else None
-            whole = True
-        elif self.parallel_dims.ep_enabled:
-            ep = next(m.expert_parallel for m in self.model.modules() if getattr(m, "expert_parallel", None))
-            dtype = ep.param_dtype if ep.param_dtype != torch.float32 else None
-            whole = ep.experts_whole
-        else:
-            return None  # FSDP's all-gather casts the expert weights; nothing to take over
-        mode = cache_mode(backend, dtype, whole)
-        if mode is not None:
-            pow2 = False
-            if mode == "fp8_blockwise":
-                from kernels.moe.mega_fp8 import MegaFP8Options
+    def _enable_compute_weights(self, cfg: JobConfig) -> None:
+        """The model computes with bf16 / e4m3 copies of its float32 weights, made once per optimizer
+        step or written by the optimizer, where this trainer would convert them per call
+        (components/compute_weights.py). Sets ``weight_cache_mode`` (the experts' copies: "bf16",
+        "fp8_blockwise" or None), ``shadow_weights`` (the copies carry the gradients),
+        ``shadowed_linears`` and ``caches_in_optimizer`` (the experts' copies the optimizer writes).
 
-                pow2 = MegaFP8Options().pow2_scales  # the options the model's mega_fp8 calls run with
-            enable_expert_weight_cache(self.model, mode, dtype, pow2)
-        return mode
+        ``[moe] cache_expert_weights``: the experts' copies, where the trainer casts them itself (one
+        process under bf16 autocast, or expert parallelism; FSDP's all-gather casts the others).
+        ``[optimizer] shadow_weights`` with the Triton AdamW, one process under bf16 autocast and one
+        micro-batch per step (accumulation would sum in bf16): the copies carry the gradients, and
+        the dense linears get copies too."""
+        t = cfg.training
+        self.weight_cache_mode, dtype, whole = None, None, True
+        if cfg.moe.cache_expert_weights:
+            if not self.distributed:
+                dtype = torch.bfloat16 if t.mixed_precision_param == "bfloat16" else None
+            elif self.parallel_dims.ep_enabled:
+                ep = next(m.expert_parallel for m in self.model.modules() if getattr(m, "expert_parallel", None))
+                dtype = ep.param_dtype if ep.param_dtype != torch.float32 else None
+                whole = ep.experts_whole
+            self.weight_cache_mode = expert_mode(resolve_moe_backend(cfg.moe.backend, cfg.quantize.moe), dtype, whole)
+        self.shadow_weights = (cfg.optimizer.shadow_weights and cfg.optimizer.implementation == "triton"
+                               and not self.distributed and t.mixed_precision_param == "bfloat16"
+                               and self.grad_accum_steps == 1)
+        pow2 = False
+        if self.weight_cache_mode == "fp8_blockwise":
+            from kernels.moe.mega_fp8 import MegaFP8Options
+
+            pow2 = MegaFP8Options().pow2_scales  # the options the model's mega_fp8 calls run with
+        copies = enable_compute_weights(self.model, self.weight_cache_mode, dtype, pow2, linears=self.shadow_weights,
+                                        skip=(TokenChoiceTopKRouter,))
+        self.shadowed_linears = [m for m in self.model.modules() if isinstance(m, ComputeLinear)]
+        self.caches_in_optimizer = 0
+        self.has_compute_weights = bool(copies)
+        if copies:
+            # For eager forwards outside train_step (which refreshes the copies itself); registered
+            # before the optimizer's own hook, which marks the copies it wrote current.
+            self.optimizer.register_step_post_hook(lambda *_: invalidate_compute_weights(self.model))
+            taken = attach_to_optimizer(self.model, self.optimizer, carry_grads=self.shadow_weights)
+            self.caches_in_optimizer = sum(c.params == EXPERT_WEIGHTS for c in taken)
 
     def describe(self) -> str:
         total, active = count_params(self.model_args)
@@ -207,12 +202,11 @@ class Trainer:
         the losses averaged over micro-batches and data-parallel ranks."""
         cfg = self.cfg
         # With shadow weights, bf16 copies hold the experts' and the linears' gradients.
-        params = [p for p in self.model.parameters() if p.requires_grad] + expert_grad_carriers(self.model) \
-            + shadow_grad_carriers(self.model)
-        if self.weight_cache_mode is not None:
+        params = [p for p in self.model.parameters() if p.requires_grad] + grad_carriers(self.model)
+        if self.has_compute_weights:
             # Once per step, outside the compiled graph, whatever changed the weights since the last
-            # (optimizer step, checkpoint load): their versions cannot tell (models/moe/weight_cache.py).
-            refresh_expert_weight_caches(self.model)
+            # (optimizer step, checkpoint load): their versions cannot tell (components/compute_weights.py).
+            refresh_compute_weights(self.model)
         # ce, aux, dropped slots: summed on device, read once at the end of the step.
         totals = torch.zeros(3, device=self.device)
         tokens_per_expert_LE = None

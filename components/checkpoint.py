@@ -165,17 +165,15 @@ class CheckpointManager:
 
     def maybe_load(self) -> int:
         """Loads the checkpoint to resume from, if any; returns its step (0 when starting fresh, from
-        ``initial_load_path``'s weights if set). Expert weight caches are marked stale after it
-        (models/moe/weight_cache.py: a cache the optimizer synced would otherwise be skipped once)
-        and the linears' bf16 shadows re-cast (components/shadow_weights.py)."""
-        from components.shadow_weights import invalidate_shadows
-        from models.moe.weight_cache import invalidate_expert_weight_caches
+        ``initial_load_path``'s weights if set). The compute copies of the weights are marked stale
+        after it (components/compute_weights.py: copies the optimizer wrote would otherwise count as
+        current)."""
+        from components.compute_weights import invalidate_compute_weights
 
         try:
             return self._maybe_load()
         finally:
-            invalidate_expert_weight_caches(self.model)
-            invalidate_shadows(self.model)
+            invalidate_compute_weights(self.model)
 
     def _maybe_load(self) -> int:
         if not self.cfg.enable:

@@ -18,8 +18,8 @@ The math is torch's AdamW (decoupled weight decay, bias-corrected moments), in f
 Results match torch's implementations to float32 rounding (they differ from each other in the
 same way: fused, foreach and for-loop order these operations differently).
 
-Shadows: :meth:`TritonAdamW.attach_shadow` gives a parameter a low-precision copy (the expert
-weight cache's bf16 copy, ``models/moe/weight_cache.py``) that the same pass writes from the updated
+Shadows: :meth:`TritonAdamW.attach_shadow` gives a parameter a low-precision copy (a bf16
+compute copy, ``components/compute_weights.py``) that the same pass writes from the updated
 value: 2 bytes more per such parameter instead of a separate refresh pass reading the float32
 parameter again (4 + 2 bytes). The copy is the round-to-nearest cast ``p.to(bfloat16)`` makes.
 

@@ -1,11 +1,38 @@
-"""Activation checkpointing per transformer block (``[activation_checkpoint] mode``)."""
+"""Activation checkpointing per transformer block (``[activation_checkpoint] mode`` and ``keep``)."""
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from components.config import ActivationCheckpoint
+
+_checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False, preserve_rng_state=False)
+
+
+def keeping_forward(block: nn.Module, keep: str, h_BLD: torch.Tensor, cos_Ld: torch.Tensor, sin_Ld: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``TransformerBlock``'s forward, checkpointed around the ops whose outputs are kept: the
+    attention core (and with "attention_and_moe" the routed experts) run outside the checkpoints, so
+    backward recomputes only the cheap regions between them. What is kept per layer: what SDPA saves
+    (q, k, v, output, log-sum-exp) and what the experts' backend saves (``mega``: x and
+    H = [gate | up]); what it saves is the kept ops' forward in the recomputation.
+
+    Regions rather than a selective-checkpoint policy over aten ops: the experts are one op for
+    some backends and many for others (the reference loop, expert parallelism's all-to-alls), and
+    SDPA's inputs q, k, v stay held here as they are without checkpointing.
+    """
+    q, k, v = _checkpoint(block.qkv, h_BLD, cos_Ld, sin_Ld)
+    attn_BHLd = block.attention.attend(q, k, v)
+    if keep == "attention":
+        return _checkpoint(block.after_attention, h_BLD, attn_BHLd)
+    h_BLD, *routed = _checkpoint(block.after_attention_to_router, h_BLD, attn_BHLd)
+    moe_BLD, router_stats_3E = block.moe.run_experts(h_BLD.shape, *routed)
+    return h_BLD + moe_BLD, router_stats_3E
 
 
 def apply_ac(model: nn.Module, cfg: ActivationCheckpoint) -> None:
@@ -15,17 +42,16 @@ def apply_ac(model: nn.Module, cfg: ActivationCheckpoint) -> None:
     memory for less recompute. Non-reentrant checkpointing, which composes with torch.compile and
     FSDP2 and lets custom ops (the MoE kernels) recompute like any other op.
 
-    ``keep`` other than "none": a checkpointed block is not wrapped; it checkpoints the regions
-    around its attention core (and routed experts) itself, so those ops' outputs are kept and only
-    the cheap regions between them are recomputed (``TransformerBlock._forward_keeping``). Under
-    compile those checkpoints sit inside the compiled block (dynamo traces them).
+    ``keep`` other than "none": a checkpointed block is not wrapped; its forward becomes
+    :func:`keeping_forward`, which checkpoints the regions around the kept ops. Blocks are compiled
+    in place before this (``parallelisms/__init__.py``), and the compiled call looks ``forward`` up
+    when it first traces, so under compile those checkpoints sit inside the compiled block.
     """
     if cfg.mode == "none":
         return
     for i, (name, block) in enumerate(list(model.layers.named_children())):
         if cfg.mode == "full" or i % cfg.selective_layer_interval == 0:
             if cfg.keep != "none":
-                # The block checkpoints the regions between the kept ops itself.
-                block.ac_keep = cfg.keep
+                block.forward = functools.partial(keeping_forward, block, cfg.keep)
             else:
                 model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))

@@ -183,8 +183,7 @@ def test_trainer_caches_expert_weights_in_the_optimizer_pass(tmp_path, accum, mo
     theirs (the parameters get none), and training follows the run without either up to the
     clipping norm's float32 rounding; with accumulation (float32 gradients, no shadows) it is
     bitwise that run."""
-    import models.moe.weight_cache as wc
-    from components.shadow_weights import grad_carriers as shadow_grad_carriers
+    import components.compute_weights as cw
     from tests.test_train import make_trainer
 
     def run3(cache):
@@ -199,9 +198,9 @@ def test_trainer_caches_expert_weights_in_the_optimizer_pass(tmp_path, accum, mo
 
         def step(*a, **k):  # what the optimizer sees, after backward and clipping
             seen["param_grads"] = [getattr(experts, n).grad for n in ("w1", "w3", "w2")]
-            seen["carriers"] = [t.grad for t in wc.expert_grad_carriers(trainer.model)]
+            seen["carriers"] = [t.grad for t in cw.grad_carriers(experts)]
             seen["linear_grads"] = [m.weight.grad for m in (trainer.model.output, trainer.model.layers["0"].attention.wq)]
-            seen["linear_carriers"] = [t.grad for t in shadow_grad_carriers(trainer.model)]
+            seen["linear_carriers"] = [t.grad for m in trainer.shadowed_linears for t in m.compute_weights.grad_carriers]
             return real_step(*a, **k)
 
         trainer.optimizer.step = step
@@ -210,9 +209,9 @@ def test_trainer_caches_expert_weights_in_the_optimizer_pass(tmp_path, accum, mo
             losses.append(loss)
             norms.append(norm)
         if cache:
-            refreshed = wc.refresh_expert_weight_caches(trainer.model)
+            refreshed = cw.refresh_compute_weights(trainer.model)
             for name in ("w1", "w3", "w2"):
-                assert torch.equal(getattr(experts.weight_cache, name), getattr(experts, name).detach().bfloat16())
+                assert torch.equal(getattr(experts.compute_weights, name), getattr(experts, name).detach().bfloat16())
         return trainer, losses, norms, {k: v.clone() for k, v in trainer.model.state_dict().items()}, refreshed, seen
 
     cached, losses, norms, state, refreshed, seen = run3(True)

@@ -1,12 +1,12 @@
-"""components/shadow_weights.py: the dense linears' bf16 shadows against autocast's per-call casts,
-and the trainer with them (``[optimizer] implementation = "triton"``, ``shadow_weights``)."""
+"""components/compute_weights.py for the dense linears: their bf16 copies ("shadows", carrying the
+gradients) against autocast's per-call casts, and the trainer with them (``[optimizer]
+implementation = "triton"``, ``shadow_weights``)."""
 
 import pytest
 import torch
 import torch.nn as nn
 
-from components.shadow_weights import (ShadowLinear, compute_weight, enable_shadows, grad_carriers,
-                                       invalidate_shadows)
+from components.compute_weights import ComputeLinear, enable_compute_weights, grad_carriers, invalidate_compute_weights
 from models.moe.router import TokenChoiceTopKRouter
 
 SEED = int(torch.randint(0, 2**30, ()))  # fresh inputs every run; failures name it
@@ -29,11 +29,12 @@ def test_shadow_linear_is_autocasts_linear():
     torch.manual_seed(SEED)
     ref, model = Tiny(), Tiny()
     model.load_state_dict(ref.state_dict())
-    swapped = enable_shadows(model, skip=(TokenChoiceTopKRouter,))
-    assert swapped == [model.a] and type(model.a) is ShadowLinear and type(model.b) is nn.Linear
-    assert type(model.router.gate) is nn.Linear and grad_carriers(model) == [model.a.weight_bf16]
-    assert compute_weight(model.a) is model.a.weight_bf16 and compute_weight(model.b) is model.b.weight
-    assert "a.weight_bf16" not in model.state_dict()  # never checkpointed
+    made = enable_compute_weights(model, None, None, linears=True, skip=(TokenChoiceTopKRouter,))
+    assert made == [model.a.compute_weights] and type(model.a) is ComputeLinear and type(model.b) is nn.Linear
+    shadow = model.a.compute_weights.weight
+    assert type(model.router.gate) is nn.Linear and grad_carriers(model) == [shadow]
+    assert model.a.compute_weight is shadow and not hasattr(model.b, "compute_weight")
+    assert list(model.state_dict()) == list(ref.state_dict())  # never checkpointed
     x = torch.randn(5, 16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y_ref, y = ref(x), model(x)
@@ -41,25 +42,28 @@ def test_shadow_linear_is_autocasts_linear():
     dy = torch.randn_like(y_ref)
     y_ref.backward(dy)
     y.backward(dy)
-    assert model.a.weight.grad is None and model.a.weight_bf16.grad.dtype == torch.bfloat16
-    assert torch.equal(model.a.weight_bf16.grad.float(), ref.a.weight.grad), f"seed {SEED}"
+    assert model.a.weight.grad is None and shadow.grad.dtype == torch.bfloat16
+    assert torch.equal(shadow.grad.float(), ref.a.weight.grad), f"seed {SEED}"
 
 
 def test_in_place_edits_and_loads_reach_the_shadow():
     torch.manual_seed(SEED)
     model = Tiny()
-    enable_shadows(model)
+    enable_compute_weights(model, None, None, linears=True)
+    shadow = model.a.compute_weights.weight
     with torch.no_grad():
         model.a.weight.mul_(2.0)  # moves the version counter: the next eager call re-casts
     x = torch.randn(2, 16)
     assert torch.equal(model(x), nn.functional.linear(model.a(x), model.b.weight, model.b.bias))  # float32 call
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(x)
-    assert torch.equal(model.a.weight_bf16, model.a.weight.detach().bfloat16())
+    assert torch.equal(shadow, model.a.weight.detach().bfloat16())
     with torch.no_grad():
         model.a.weight.data.copy_(torch.randn(32, 16))  # .data: no counter; a load path calls invalidate
-    invalidate_shadows(model)
-    assert torch.equal(model.a.weight_bf16, model.a.weight.detach().bfloat16())
+    invalidate_compute_weights(model)  # the next eager call (or the trainer's step start) re-casts
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x)
+    assert torch.equal(shadow, model.a.weight.detach().bfloat16())
 
 
 triton = pytest.importorskip("triton")
@@ -101,7 +105,7 @@ def test_trainer_resume_with_shadows(tmp_path):
 def test_trainer_shadows_beside_fp8_projections(tmp_path):
     """With FP8 projections the converted linears keep their float32 gradients (they are not plain
     nn.Linear) and only the output head is shadowed; the steps follow the run without shadows.
-    (An FP8 expert cache carries no gradients: attach_caches_to_optimizer takes bf16 caches only.)"""
+    (FP8 expert copies carry no gradients: attach_to_optimizer takes bf16 copies only.)"""
     fp8 = ["--quantize.linear", "fp8_rowwise"]
     trainer, got = _losses(tmp_path, *fp8, steps=2)
     assert [m is trainer.model.output for m in trainer.shadowed_linears] == [True]

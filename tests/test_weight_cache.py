@@ -1,5 +1,5 @@
-"""The per-optimizer-step expert weight cache (models/moe/weight_cache.py and
-kernels/moe/mega_fp8/weights.py) against the per-call conversion it replaces.
+"""The experts' compute copies, made once per optimizer step (components/compute_weights.py and
+kernels/moe/mega_fp8/weights.py), against the per-call conversion they replace.
 
 The cache must change nothing but speed: the bf16 copies are the same casts, the e4m3 copies the
 same quantization, so the op-level checks are bitwise; only the FP8 weight gradients, written in
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from components.config import parse_args
-from models.moe.weight_cache import CACHE_MODES, ExpertWeightCache, cache_mode
+from components.compute_weights import MODES, ComputeWeights, expert_mode
 from train import Trainer
 
 triton = pytest.importorskip("triton")
@@ -81,12 +81,12 @@ def test_quantized_weights_are_checked():
         mega_moe_fp8(x.float(), ids, s, w1.float(), w3.float(), w2.float(), quantized=q)
 
 
-def test_cache_mode():
-    assert cache_mode("mega_fp8", torch.bfloat16, True) == "fp8_blockwise"
-    assert cache_mode("mega_fp8", torch.bfloat16, False) == "bf16"  # shards: bf16 copy, per-call FP8
-    assert cache_mode("mega", torch.bfloat16, True) == "bf16"
-    assert cache_mode("grouped_mm", None, True) is None  # float32 training: no cast to cache
-    assert set(CACHE_MODES) == {"bf16", "fp8_blockwise"}
+def test_expert_mode():
+    assert expert_mode("mega_fp8", torch.bfloat16, True) == "fp8_blockwise"
+    assert expert_mode("mega_fp8", torch.bfloat16, False) == "bf16"  # shards: bf16 copy, per-call FP8
+    assert expert_mode("mega", torch.bfloat16, True) == "bf16"
+    assert expert_mode("grouped_mm", None, True) is None  # float32 training: no cast to cache
+    assert set(MODES) == {"bf16", "fp8_blockwise"}
 
 
 def _train(extra, steps=3):
@@ -131,7 +131,7 @@ def test_fp8_cache_trains_like_per_call_quantization(more):
     assert losses == pytest.approx(plain_losses, rel=1e-4)
 
 
-@pytest.mark.parametrize("mode", CACHE_MODES)
+@pytest.mark.parametrize("mode", MODES)
 def test_eager_forward_refreshes_a_stale_cache(mode):
     """Weights changed in place outside the trainer (here: scaled) are seen by the next eager call."""
     backend = "mega" if mode == "fp8_blockwise" else "torch"
@@ -141,7 +141,7 @@ def test_eager_forward_refreshes_a_stale_cache(mode):
     trainer = Trainer(parse_args(SMALL + extra))
     assert trainer.weight_cache_mode == mode
     experts = trainer.model.layers["0"].moe.experts
-    assert isinstance(experts.weight_cache, ExpertWeightCache)
+    assert isinstance(experts.compute_weights, ComputeWeights)
     inputs = next(iter(trainer.dataloader))[0].to(DEVICE)
 
     def forward():
@@ -151,10 +151,10 @@ def test_eager_forward_refreshes_a_stale_cache(mode):
     before = forward()
     with torch.no_grad():
         experts.w2.mul_(3.0)
-    assert experts.weight_cache.is_stale(experts)
+    assert experts.compute_weights.is_stale(experts)
     after = forward()
-    assert not experts.weight_cache.is_stale(experts)
-    experts.weight_cache = None
+    assert not experts.compute_weights.is_stale(experts)
+    experts.compute_weights = None
     uncached = forward()
     assert torch.equal(after, uncached)
     assert not torch.equal(before, after)
@@ -185,8 +185,8 @@ def test_optimizer_step_invalidates_the_cache():
     instead, so a later eager forward refreshes them."""
     trainer = Trainer(parse_args(SMALL + ["--moe.backend", "torch", "--model.n_layers", "1"]))
     experts = trainer.model.layers["0"].moe.experts
-    assert not experts.weight_cache.is_stale(experts)
+    assert not experts.compute_weights.is_stale(experts)
     for p in trainer.model.parameters():
         p.grad = torch.ones_like(p)
     trainer.optimizer.step()
-    assert experts.weight_cache._versions is None  # invalidated by the hook, not by the counters
+    assert experts.compute_weights._versions is None  # invalidated by the hook, not by the counters

@@ -16,7 +16,6 @@ import torch.nn as nn
 
 from kernels.moe import get_moe_backend
 from models.moe.router import TokenChoiceTopKRouter
-from models.moe.weight_cache import ExpertWeightCache
 
 
 class GroupedExperts(nn.Module):
@@ -24,8 +23,11 @@ class GroupedExperts(nn.Module):
 
     With expert parallelism (``parallelisms/expert_parallel.py``) the weights are DTensors sharded
     on the expert dim and ``expert_parallel`` carries tokens to the ranks owning their experts.
-    With a ``weight_cache`` (``weight_cache.py``) the per-call bf16 cast / FP8 quantization of the
-    weights is replaced by copies made once per optimizer step.
+
+    ``compute_weights``, when the trainer sets it (``components/compute_weights.py``), replaces the
+    per-call bf16 cast / FP8 quantization of the weights with copies made once per optimizer step:
+    its ``weights(self)`` returns this rank's (w1, w3, w2) in compute form and its
+    ``backend_kwargs()`` what the backend takes besides (the FP8 op's pre-quantized weights).
     """
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, backend: str):
@@ -37,36 +39,35 @@ class GroupedExperts(nn.Module):
         self.backend_name = backend
         self.backend = get_moe_backend(backend)
         self.expert_parallel = None
-        # Set by models.moe.weight_cache.enable_expert_weight_cache (the trainer, after init).
-        self.weight_cache: ExpertWeightCache | None = None
+        self.compute_weights = None  # set by the trainer, after init (see the class docstring)
 
     def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (y_TD, dropped_E): dropped_E counts slots that did not fit expert parallelism's
         static buffers (always zero without EP)."""
-        backend, cache = self.backend, self.weight_cache
-        if cache is not None:
-            # This rank's weights in compute form, made once per optimizer step (weight_cache.py).
-            w1, w3, w2 = cache.weights(self)
-            if cache.mode == "fp8_blockwise":
-                backend = functools.partial(backend, quantized=cache.quantized)
+        backend, copies = self.backend, self.compute_weights
+        if copies is not None:
+            # This rank's weights in compute form, made once per optimizer step.
+            w1_EFD, w3_EFD, w2_EDF = copies.weights(self)
+            if kwargs := copies.backend_kwargs():
+                backend = functools.partial(backend, **kwargs)
             if self.expert_parallel is not None:
-                w1, w3, w2 = (self.expert_parallel.gather_shards(w) for w in (w1, w3, w2))
+                w1_EFD, w3_EFD, w2_EDF = (self.expert_parallel.gather_shards(w) for w in (w1_EFD, w3_EFD, w2_EDF))
         elif self.expert_parallel is not None:
-            w1, w3, w2 = (self.expert_parallel.gather_weight(w) for w in (self.w1, self.w3, self.w2))
+            w1_EFD, w3_EFD, w2_EDF = (self.expert_parallel.gather_weight(w) for w in (self.w1, self.w3, self.w2))
         else:
-            w1, w3, w2 = self.w1, self.w3, self.w2
+            w1_EFD, w3_EFD, w2_EDF = self.w1, self.w3, self.w2
         if torch.is_autocast_enabled(x_TD.device.type):
             # Autocast does not see through custom kernels: hand every backend the compute dtype
-            # (a cache has converted the weights already).
+            # (compute copies are in it already).
             dtype = torch.get_autocast_dtype(x_TD.device.type)
             x_TD = x_TD.to(dtype)
-            if cache is None:
-                w1, w2, w3 = w1.to(dtype), w2.to(dtype), w3.to(dtype)
+            if copies is None:
+                w1_EFD, w2_EDF, w3_EFD = w1_EFD.to(dtype), w2_EDF.to(dtype), w3_EFD.to(dtype)
         if self.expert_parallel is not None:
-            return self.expert_parallel(backend, x_TD, topk_ids_TK, topk_weights_TK, w1, w3, w2)
+            return self.expert_parallel(backend, x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF)
         dropped_E = torch.zeros(self.num_experts, dtype=torch.float32, device=x_TD.device)
-        return backend(x_TD, topk_ids_TK, topk_weights_TK, w1, w3, w2), dropped_E
+        return backend(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF), dropped_E
 
     def reset_parameters(self, init_std: float, out_init_std: float) -> None:
         nn.init.trunc_normal_(self.w1, mean=0.0, std=init_std)

@@ -12,16 +12,12 @@ parallelisms can be applied before any memory is allocated:
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from components.loss import linear_cross_entropy
-from components.shadow_weights import compute_weight
+from models.loss import linear_cross_entropy
 from models.moe.moe import MoE, depth_init_std
 from models.moe.router import router_aux_loss
 from models.qwen3.args import Qwen3MoEArgs
@@ -129,42 +125,30 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.moe = MoE(args.dim, args.moe_inter_dim, args.num_experts, args.top_k, args.norm_topk_prob,
                        moe_backend, use_expert_bias)
-        # Set by parallelisms/activation_checkpoint.py: with "attention" or "attention_and_moe" the
-        # block checkpoints itself around the kept ops (see _forward_keeping).
-        self.ac_keep = "none"
 
     def forward(self, h_BLD: torch.Tensor, cos_Ld: torch.Tensor, sin_Ld: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.ac_keep != "none":
-            return self._forward_keeping(h_BLD, cos_Ld, sin_Ld)
-        return self._after_attention(h_BLD, self.attention.attend(*self._qkv(h_BLD, cos_Ld, sin_Ld)))
+        """Returns (h_BLD, router_stats_3E). Written as the stages below, which activation
+        checkpointing recomposes to keep some ops' outputs (``parallelisms/activation_checkpoint.py``)."""
+        return self.after_attention(h_BLD, self.attention.attend(*self.qkv(h_BLD, cos_Ld, sin_Ld)))
 
-    def _qkv(self, h_BLD, cos_Ld, sin_Ld):
+    def qkv(self, h_BLD: torch.Tensor, cos_Ld: torch.Tensor, sin_Ld: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The attention core's inputs: q (B, H, L, d), k and v (B, Hkv, L, d)."""
         return self.attention.project_qkv(self.attention_norm(h_BLD), cos_Ld, sin_Ld)
 
-    def _after_attention(self, h_BLD, attn_BHLd):
+    def after_attention(self, h_BLD: torch.Tensor, attn_BHLd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """From the attention core's output to the block's: (h_BLD, router_stats_3E)."""
         h_BLD = h_BLD + self.attention.project_out(attn_BHLd)
-        moe_out, router_stats_3E = self.moe(self.ffn_norm(h_BLD))
-        return h_BLD + moe_out, router_stats_3E
+        moe_BLD, router_stats_3E = self.moe(self.ffn_norm(h_BLD))
+        return h_BLD + moe_BLD, router_stats_3E
 
-    def _after_attention_to_router(self, h_BLD, attn_BHLd):
+    def after_attention_to_router(self, h_BLD: torch.Tensor, attn_BHLd: torch.Tensor
+                                  ) -> tuple[torch.Tensor, ...]:
+        """:meth:`after_attention` up to the routed experts: (h_BLD, *``MoE.route``'s outputs);
+        ``self.moe.run_experts(h_BLD.shape, *routed)`` and the residual add finish the block."""
         h_BLD = h_BLD + self.attention.project_out(attn_BHLd)
         return (h_BLD, *self.moe.route(self.ffn_norm(h_BLD)))
-
-    def _forward_keeping(self, h_BLD, cos_Ld, sin_Ld):
-        """Activation checkpointing that keeps the attention core's outputs (and with
-        "attention_and_moe" the routed experts'): the regions between them are recomputed in
-        backward, the kept ops are not. What is kept per layer: what SDPA saves (q, k, v, output,
-        log-sum-exp) and what the experts' backend saves (``mega``: x and H = [gate | up]). What it
-        saves: the kept ops' forward in the recomputation (predictions in bench/NOTES.md)."""
-        ckpt = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False, preserve_rng_state=False)
-        q, k, v = ckpt(self._qkv, h_BLD, cos_Ld, sin_Ld)
-        attn_BHLd = self.attention.attend(q, k, v)
-        if self.ac_keep == "attention":
-            return ckpt(self._after_attention, h_BLD, attn_BHLd)
-        h_BLD, *routed = ckpt(self._after_attention_to_router, h_BLD, attn_BHLd)
-        moe_out, router_stats_3E = self.moe.run_experts(h_BLD.shape, *routed)
-        return h_BLD + moe_out, router_stats_3E
 
     def init_weights(self) -> None:
         out_std = depth_init_std(self.layer_id)
@@ -197,8 +181,10 @@ class Qwen3MoE(nn.Module):
 
         With ``labels_BL`` and ``loss_chunk_size`` > 0 it returns the mean cross-entropy instead of
         the logits, computed chunk by chunk so the (B, L, V) logits never exist
-        (``components/loss.py``). It is computed here, inside the model, so that FSDP has gathered
-        the output weight (it is sharded together with the final norm)."""
+        (``models/loss.py``). It is computed here, inside the model, so that FSDP has gathered
+        the output weight (it is sharded together with the final norm). The weight is the output
+        head's ``compute_weight`` when the trainer gave it one (a bf16 copy,
+        ``components/compute_weights.py``), else its parameter."""
         L = tokens_BL.shape[1]
         if L > self.args.max_seq_len:
             raise ValueError(f"sequence length {L} exceeds max_seq_len {self.args.max_seq_len}")
@@ -210,8 +196,8 @@ class Qwen3MoE(nn.Module):
             stats.append(router_stats_3E)
         h = self.norm(h)
         if labels_BL is not None and loss_chunk_size > 0:
-            loss = linear_cross_entropy(h.flatten(0, 1), compute_weight(self.output), labels_BL.flatten(),
-                                        loss_chunk_size)
+            weight = getattr(self.output, "compute_weight", self.output.weight)
+            loss = linear_cross_entropy(h.flatten(0, 1), weight, labels_BL.flatten(), loss_chunk_size)
             return loss, torch.stack(stats)
         return self.output(h), torch.stack(stats)
 
