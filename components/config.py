@@ -106,7 +106,7 @@ class Optimizer:
     shadow_weights: bool = _field(True, "with implementation = \"triton\", one process, bf16 autocast and one "
                                   "micro-batch per step: the optimizer writes bf16 copies of the linear and expert "
                                   "weights that the model computes with and that carry bf16 gradients (no per-step "
-                                  "casts; components/shadow_weights.py); ignored otherwise")
+                                  "casts; components/compute_weights.py); ignored otherwise")
 
 
 @dataclass
