@@ -12,7 +12,7 @@ every GEMM operand in block-scaled e4m3, composed from the building blocks of ``
 
 The weights are quantized on every call, here and again in the backward (which also makes the
 transposed copies dgrad reads), unless the caller passes ``quantized``: the copies made once per
-optimizer step by ``models/moe/weight_cache.py`` (``weights.py``). Per call that is 2 reads of the
+optimizer step by ``components/compute_weights.py`` (``weights.py``). Per call that is 2 reads of the
 bf16 weights and ~4 bytes written/read per weight element, about 3.6 GB (counted) at the 30B
 shape (E 128, F 768, D 2048), paid three times per step under full activation checkpointing
 (forward, recomputation, backward).

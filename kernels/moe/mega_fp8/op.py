@@ -13,7 +13,7 @@ autograd formula, so ``torch.compile(fullgraph=True)`` sees the layer as one nod
 Saved for backward, as in the bf16 op: x, the routing weights, the three weights, H = [gate | up]
 (N x 2F bf16) and the routing metadata. The weights' e4m3 copies are made per call (forward and
 again in the backward), or once per optimizer step by the caller and passed as ``quantized``
-(:class:`~kernels.moe.mega_fp8.weights.QuantizedExpertWeights`; ``models/moe/weight_cache.py``
+(:class:`~kernels.moe.mega_fp8.weights.QuantizedExpertWeights`; ``components/compute_weights.py``
 does this in training), in which case the weights themselves are only gradient carriers: they may
 be the float32 master weights, whose gradients the kernels then write in float32 directly.
 

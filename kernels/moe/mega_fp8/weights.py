@@ -1,6 +1,6 @@
 """The e4m3 copies of one layer's expert weights, in every layout the FP8 mega op reads.
 
-Made by :meth:`QuantizedExpertWeights.quantize` once per optimizer step (``models/moe/weight_cache.py``
+Made by :meth:`QuantizedExpertWeights.quantize` once per optimizer step (``components/compute_weights.py``
 keeps them and refreshes them when the parameters change) and handed to ``mega_moe_fp8(...,
 quantized=...)``, so that the forward, its recomputation under activation checkpointing and the
 backward stop re-quantizing the bf16 weights on every call. Without it the op makes the same
