@@ -185,7 +185,7 @@ def test_trainer_caches_expert_weights_in_the_optimizer_pass(tmp_path, accum, mo
     bitwise that run."""
     import models.moe.weight_cache as wc
     from components.shadow_weights import grad_carriers as shadow_grad_carriers
-    from tests.test_train import make_trainer
+    from tests.utils import make_trainer
 
     def run3(cache):
         trainer = make_trainer(tmp_path, "--optimizer.implementation", "triton", "--model.n_layers", "1",
@@ -239,7 +239,7 @@ def test_trainer_caches_expert_weights_in_the_optimizer_pass(tmp_path, accum, mo
 def test_trainer_with_triton_adamw(tmp_path):
     """train.py's step with implementation = "triton" (clipping folded into it) follows foreach's
     (clipping in place) on the debug model."""
-    from tests.test_train import make_trainer, run_losses
+    from tests.utils import make_trainer, run_losses
 
     def losses(impl):
         trainer = make_trainer(tmp_path, "--optimizer.implementation", impl, "--training.steps", "3",

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from components.config import Compile
 from parallelisms.compile import COMM_REORDER_PASSES, _sink_after_waits, apply_compile, unchained_reorder
-from tests.test_distributed import free_port
+from tests.utils import free_port
 
 
 @pytest.fixture

@@ -3,12 +3,11 @@
 import pytest
 
 from components.config import ConfigError, config_help, load_config, parse_args
+from tests.utils import write_file
 
 
 def write(tmp_path, text):
-    p = tmp_path / "job.toml"
-    p.write_text(text)
-    return str(p)
+    return write_file(tmp_path, "job.toml", text)
 
 
 def test_shipped_configs_parse():
