@@ -69,6 +69,16 @@ def test_help_lists_sections_fields_and_defaults(capsys):
         assert section in out
     assert "--training.steps int = 10000" in out and "--moe.backend str = 'grouped_mm'" in out
     assert out == config_help() + "\n"
+    # Every field of every section with its default, read off the dataclasses rather than the help code.
+    import dataclasses
+
+    from components.config import JobConfig
+
+    defaults = JobConfig()
+    for section in dataclasses.fields(JobConfig):
+        for f in dataclasses.fields(getattr(defaults, section.name)):
+            value = getattr(getattr(defaults, section.name), f.name)
+            assert f"  --{section.name}.{f.name} {type(value).__name__} = {value!r}" in out, (section.name, f.name)
 
 
 def test_readme_config_reference_is_current():
