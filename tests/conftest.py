@@ -63,7 +63,6 @@ TEST_TIERS = {
     "test_float8_linear.py::test_trainer_": "integration",
     "test_mega_moe_fp8.py::test_trains_end_to_end": "integration",
     "test_weight_cache.py::test_bf16_cache_trains": "integration",
-    "test_adamw.py::test_trainer_": "integration",
 }
 
 

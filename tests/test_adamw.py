@@ -174,6 +174,7 @@ COMPILED_AC = ["--compile.enable", "--compile.backend", "aot_eager", "--activati
                "--activation_checkpoint.keep", "attention_and_moe"]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("accum,more", [(1, []), (1, COMPILED_AC), (2, [])],
                          ids=["carriers", "carriers-compiled-ac-keep", "accum2-float32-grads"])
 def test_trainer_caches_expert_weights_in_the_optimizer_pass(tmp_path, accum, more):
@@ -236,6 +237,7 @@ def test_trainer_caches_expert_weights_in_the_optimizer_pass(tmp_path, accum, mo
             assert torch.equal(state[k], v), k
 
 
+@pytest.mark.integration
 def test_trainer_with_triton_adamw(tmp_path):
     """train.py's step with implementation = "triton" (clipping folded into it) follows foreach's
     (clipping in place) on the debug model."""

@@ -100,8 +100,8 @@ LAYOUTS = {
     "ep2_mega": (2, ["--parallelism.expert_parallel_degree", "2", "--moe.backend", "mega", "short"]),
     "ep2_compile": (2, ["--parallelism.expert_parallel_degree", "2", "--compile.enable", "--compile.backend",
                         "aot_eager"]),
-    "dp_shard2_x_ep2_full_ac_compile": (4, ["--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode",
-                                            "full", "--compile.enable", "--compile.backend", "aot_eager"]),
+    # (Full AC + compile on dp_shard 2 x ep 2 runs in dp_shard2_x_ep2_keep_attention_and_moe_compile,
+    # which also keeps ops; full AC + compile without keep in dp_shard2_full_ac_compile.)
     # Chunked EP pipelining, with a capacity factor >= ep so no chunk can drop a slot: the result
     # must be the unchunked one (compiled: the chunk loop is traced into one fullgraph). 64 tokens
     # per rank: 3 chunks are uneven (22, 21, 21), and 100 chunks become 64 of one token each.
@@ -112,10 +112,8 @@ LAYOUTS = {
     # (parallelisms/compile.unchained_reorder), which must not change what is computed.
     "ep2_chunks2_inductor": (2, ["--parallelism.expert_parallel_degree", "2", "--parallelism.expert_capacity_factor",
                                  "2", "--parallelism.expert_parallel_chunks", "2", "--compile.enable"]),
-    # Activation checkpointing that keeps the attention core (and the experts) instead of recomputing them.
-    "ep2_full_ac_keep_attention_compile": (2, ["--parallelism.expert_parallel_degree", "2",
-                                               "--activation_checkpoint.mode", "full", "--activation_checkpoint.keep",
-                                               "attention", "--compile.enable", "--compile.backend", "aot_eager"]),
+    # Activation checkpointing that keeps the attention core and the experts instead of recomputing
+    # them (keep = "attention" alone: test_train.py, compiled and eager, bitwise against full AC).
     "dp_shard2_keep_attention_and_moe": (2, ["--activation_checkpoint.mode", "full",
                                              "--activation_checkpoint.keep", "attention_and_moe"]),
     "dp_shard2_x_ep2_keep_attention_and_moe_compile": (4, ["--parallelism.expert_parallel_degree", "2",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
 import torch
 
 from components.metrics import expert_load_stats, format_expert_load
@@ -44,6 +45,7 @@ def test_no_trace_unless_enabled_or_reached(tmp_path, capsys):
     assert torch.autograd.profiler._is_profiler_enabled is False
 
 
+@pytest.mark.unit
 def test_expert_load_stats_by_hand():
     counts = torch.tensor([[10.0, 30.0, 20.0, 20.0], [0.0, 0.0, 80.0, 0.0]])
     a, b = expert_load_stats(counts)

@@ -87,11 +87,13 @@ def test_chunked_loss_trains_like_full_logits(losses_of):
     assert got == pytest.approx(ref, rel=1e-5)
 
 
+@pytest.mark.unit
 def test_config_error_exits_before_model_is_built(capsys):
     assert main(["--config", "train_configs/debug_model.toml", "--training.stepz", "3"]) == 2
     assert "unknown key 'stepz' in [training]" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("override,pattern", [
     (["--moe.backend", "torch", "--quantize.moe", "fp8_blockwise"], "not available for \\[moe\\] backend = 'torch'"),
     (["--parallelism.expert_parallel_degree", "2"], "larger than the data-parallel shard degree"),
@@ -104,6 +106,7 @@ def test_unsupported_settings_stop_at_start(tmp_path, override, pattern):
         make_trainer(tmp_path, *override)
 
 
+@pytest.mark.unit
 def test_reference_configs_fail_clearly(capsys):
     """The 32/128-GPU reference setups on one CPU process: a clear stop before any work (expert
     parallelism larger than one process allows, or a part that has not landed)."""
@@ -113,6 +116,7 @@ def test_reference_configs_fail_clearly(capsys):
         assert "not implemented yet" in err or "expert_parallel_degree" in err, err
 
 
+@pytest.mark.unit
 def test_missing_dataset_is_reported(tmp_path, capsys):
     assert main(["--config", "train_configs/debug_model.toml", "--training.dataset_path", str(tmp_path / "nope")]) == 2
     assert "nope" in capsys.readouterr().err
@@ -236,6 +240,7 @@ def test_tensorboard_scalars_are_written(tmp_path):
     assert [e.step for e in acc.Scalars("loss")] == [1, 2]
 
 
+@pytest.mark.unit
 def test_fp8_blockwise_warns_on_gpu_that_it_is_slow(monkeypatch, capsys):
     """The FP8 mega kernels are correct but slower than bf16: a GPU run says so at start (and a
     CPU run, the interpreter's, does not)."""
@@ -292,6 +297,7 @@ def test_ac_keep_skips_the_kept_ops_in_recomputation(tmp_path, monkeypatch, keep
     assert calls == {"attend": attend_calls * layers, "experts": expert_calls * layers}
 
 
+@pytest.mark.unit
 def test_ac_keep_needs_checkpointing(tmp_path):
     with pytest.raises(ConfigError, match="keep = 'attention' keeps ops of checkpointed blocks"):
         make_trainer(tmp_path, "--activation_checkpoint.keep", "attention")
