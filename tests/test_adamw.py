@@ -188,7 +188,7 @@ def test_trainer_caches_expert_weights_in_the_optimizer_pass(tmp_path, accum, mo
     from components.shadow_weights import grad_carriers as shadow_grad_carriers
     from tests.utils import make_trainer
 
-    def run3(cache):
+    def run(cache):  # two steps: the second runs on the weights (and caches) the first step's optimizer wrote
         trainer = make_trainer(tmp_path, "--optimizer.implementation", "triton", "--model.n_layers", "1",
                                "--training.mixed_precision_param", "bfloat16", "--moe.backend", "torch",
                                "--training.global_batch_size", str(4 * accum), "--training.max_norm", "0.5",
@@ -206,7 +206,7 @@ def test_trainer_caches_expert_weights_in_the_optimizer_pass(tmp_path, accum, mo
             return real_step(*a, **k)
 
         trainer.optimizer.step = step
-        for trainer.step in (1, 2, 3):
+        for trainer.step in (1, 2):
             loss, _, norm = trainer.train_step(data_iter)
             losses.append(loss)
             norms.append(norm)
@@ -216,10 +216,10 @@ def test_trainer_caches_expert_weights_in_the_optimizer_pass(tmp_path, accum, mo
                 assert torch.equal(getattr(experts.weight_cache, name), getattr(experts, name).detach().bfloat16())
         return trainer, losses, norms, {k: v.clone() for k, v in trainer.model.state_dict().items()}, refreshed, seen
 
-    cached, losses, norms, state, refreshed, seen = run3(True)
+    cached, losses, norms, state, refreshed, seen = run(True)
     assert cached.weight_cache_mode == "bf16" and cached.caches_in_optimizer == 1
     assert refreshed == 0  # synced by the optimizer: nothing left to remake
-    _, plain_losses, plain_norms, plain_state, _, plain_seen = run3(False)
+    _, plain_losses, plain_norms, plain_state, _, plain_seen = run(False)
     assert all(g is not None and g.dtype == torch.float32 for g in plain_seen["param_grads"])
     if accum == 1:
         assert all(g is None for g in seen["param_grads"] + seen["linear_grads"])
@@ -244,7 +244,7 @@ def test_trainer_with_triton_adamw(tmp_path):
     from tests.utils import make_trainer, run_losses
 
     def losses(impl):
-        trainer = make_trainer(tmp_path, "--optimizer.implementation", impl, "--training.steps", "3",
+        trainer = make_trainer(tmp_path, "--optimizer.implementation", impl, "--training.steps", "2",
                                "--model.n_layers", "1", "--training.max_norm", "0.5")
         out = run_losses(trainer)
         return out, trainer.optimizer
