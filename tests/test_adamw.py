@@ -174,6 +174,7 @@ COMPILED_AC = ["--compile.enable", "--compile.backend", "aot_eager", "--activati
                "--activation_checkpoint.keep", "attention_and_moe"]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("accum,more", [(1, []), (1, COMPILED_AC), (2, [])],
                          ids=["carriers", "carriers-compiled-ac-keep", "accum2-float32-grads"])
 def test_trainer_caches_expert_weights_in_the_optimizer_pass(tmp_path, accum, more):
@@ -184,9 +185,9 @@ def test_trainer_caches_expert_weights_in_the_optimizer_pass(tmp_path, accum, mo
     clipping norm's float32 rounding; with accumulation (float32 gradients, no shadows) it is
     bitwise that run."""
     import components.compute_weights as cw
-    from tests.test_train import make_trainer
+    from tests.utils import make_trainer
 
-    def run3(cache):
+    def run(cache):  # two steps: the second runs on the weights (and caches) the first step's optimizer wrote
         trainer = make_trainer(tmp_path, "--optimizer.implementation", "triton", "--model.n_layers", "1",
                                "--training.mixed_precision_param", "bfloat16", "--moe.backend", "torch",
                                "--training.global_batch_size", str(4 * accum), "--training.max_norm", "0.5",
@@ -204,7 +205,7 @@ def test_trainer_caches_expert_weights_in_the_optimizer_pass(tmp_path, accum, mo
             return real_step(*a, **k)
 
         trainer.optimizer.step = step
-        for trainer.step in (1, 2, 3):
+        for trainer.step in (1, 2):
             loss, _, norm = trainer.train_step(data_iter)
             losses.append(loss)
             norms.append(norm)
@@ -214,10 +215,10 @@ def test_trainer_caches_expert_weights_in_the_optimizer_pass(tmp_path, accum, mo
                 assert torch.equal(getattr(experts.compute_weights, name), getattr(experts, name).detach().bfloat16())
         return trainer, losses, norms, {k: v.clone() for k, v in trainer.model.state_dict().items()}, refreshed, seen
 
-    cached, losses, norms, state, refreshed, seen = run3(True)
+    cached, losses, norms, state, refreshed, seen = run(True)
     assert cached.weight_cache_mode == "bf16" and cached.caches_in_optimizer == 1
     assert refreshed == 0  # synced by the optimizer: nothing left to remake
-    _, plain_losses, plain_norms, plain_state, _, plain_seen = run3(False)
+    _, plain_losses, plain_norms, plain_state, _, plain_seen = run(False)
     assert all(g is not None and g.dtype == torch.float32 for g in plain_seen["param_grads"])
     if accum == 1:
         assert all(g is None for g in seen["param_grads"] + seen["linear_grads"])
@@ -235,13 +236,14 @@ def test_trainer_caches_expert_weights_in_the_optimizer_pass(tmp_path, accum, mo
             assert torch.equal(state[k], v), k
 
 
+@pytest.mark.integration
 def test_trainer_with_triton_adamw(tmp_path):
     """train.py's step with implementation = "triton" (clipping folded into it) follows foreach's
     (clipping in place) on the debug model."""
-    from tests.test_train import make_trainer, run_losses
+    from tests.utils import make_trainer, run_losses
 
     def losses(impl):
-        trainer = make_trainer(tmp_path, "--optimizer.implementation", impl, "--training.steps", "3",
+        trainer = make_trainer(tmp_path, "--optimizer.implementation", impl, "--training.steps", "2",
                                "--model.n_layers", "1", "--training.max_norm", "0.5")
         out = run_losses(trainer)
         return out, trainer.optimizer

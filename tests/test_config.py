@@ -3,12 +3,11 @@
 import pytest
 
 from components.config import ConfigError, config_help, load_config, parse_args
+from tests.utils import write_file
 
 
 def write(tmp_path, text):
-    p = tmp_path / "job.toml"
-    p.write_text(text)
-    return str(p)
+    return write_file(tmp_path, "job.toml", text)
 
 
 def test_shipped_configs_parse():
@@ -70,6 +69,16 @@ def test_help_lists_sections_fields_and_defaults(capsys):
         assert section in out
     assert "--training.steps int = 10000" in out and "--moe.backend str = 'grouped_mm'" in out
     assert out == config_help() + "\n"
+    # Every field of every section with its default, read off the dataclasses rather than the help code.
+    import dataclasses
+
+    from components.config import JobConfig
+
+    defaults = JobConfig()
+    for section in dataclasses.fields(JobConfig):
+        for f in dataclasses.fields(getattr(defaults, section.name)):
+            value = getattr(getattr(defaults, section.name), f.name)
+            assert f"  --{section.name}.{f.name} {type(value).__name__} = {value!r}" in out, (section.name, f.name)
 
 
 def test_docs_config_reference_is_current():

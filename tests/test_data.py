@@ -7,7 +7,6 @@ input text, not by the code under test.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -17,18 +16,13 @@ import torch
 
 from components.dataloader import PackedTextDataLoader, build_dataloader
 from components.tokenizer import SentencePieceTokenizer, build_tokenizer
+from tests.utils import ROOT, load_script
 
-ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER_PATH = ROOT / "assets" / "tokenizer" / "tokenizer.model"
 CORPUS_DIR = ROOT / "assets" / "data" / "stories"
 
 
-def _load_script(name: str):
-    spec = importlib.util.spec_from_file_location(f"scripts_{name}", ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[f"scripts_{name}"] = module  # dataclasses look their module up while executing it
-    spec.loader.exec_module(module)
-    return module
+_load_script = load_script
 
 
 @pytest.fixture(scope="module")

@@ -161,42 +161,30 @@ def test_bad_folders(hf_folder, tmp_path):
         load_hf_weights(model, tmp_path)
 
 
-def _load_worker(rank: int, world: int, port: int, hf_dir: str, out_path: str) -> None:
-    import os
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
+def _load_job(rank: int, world: int, hf_dir: str, dump_folder: str) -> dict | None:
+    """Every rank of the gloo pool (tests/multiprocess.py) loads the HF folder into an EP 2 trainer;
+    rank 0 returns the full state gathered back."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from components.config import parse_args
-    from tests.multiprocess import abandon_worker, finish_worker
     from train import Trainer
 
-    try:
-        trainer = Trainer(parse_args([
-            "--config", "train_configs/debug_model.toml", "--model.n_layers", "2", "--training.seq_len", "32",
-            "--training.local_batch_size", "2", "--training.device", "cpu", "--job.dump_folder", out_path + ".d",
-            "--parallelism.expert_parallel_degree", "2", "--checkpoint.initial_load_path", hf_dir]))
-        assert trainer.checkpoint.maybe_load() == 0
-        sd = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if rank == 0:
-            torch.save({k: v.clone() for k, v in sd.items()}, out_path)
-    except BaseException:
-        abandon_worker()
-        raise
-    finish_worker()
+    trainer = Trainer(parse_args([
+        "--config", "train_configs/debug_model.toml", "--model.n_layers", "2", "--training.seq_len", "32",
+        "--training.local_batch_size", "2", "--training.device", "cpu", "--job.dump_folder", dump_folder,
+        "--parallelism.expert_parallel_degree", "2", "--checkpoint.initial_load_path", hf_dir]))
+    assert trainer.checkpoint.maybe_load() == 0
+    sd = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.clone() for k, v in sd.items()} if rank == 0 else None
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(__import__("sys").platform != "linux", reason="multi-process tests use gloo on Linux")
 def test_load_into_fsdp_with_expert_parallel(tmp_path):
     """Two ranks, FSDP over both and the experts split 2 ways (DTensors): the loaded weights,
     gathered back, are exactly the exported ones."""
-    import socket
-
-    import torch.multiprocessing as mp
-
     from components.config import parse_args
+    from tests.utils import run_job
     from train import Trainer
 
     # On CPU like the gloo workers (on a GPU machine the default device would put `want` on cuda).
@@ -204,11 +192,7 @@ def test_load_into_fsdp_with_expert_parallel(tmp_path):
                               "--training.seq_len", "32", "--training.seed", "11", "--training.device", "cpu",
                               "--job.dump_folder", str(tmp_path / "src")]))
     save_hf_weights(src.model, tmp_path / "hf", dtype=torch.float32)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_load_worker, args=(2, port, str(tmp_path / "hf"), str(tmp_path / "out.pt")), nprocs=2, join=True)
-    got = torch.load(tmp_path / "out.pt")
+    got = run_job(2, _load_job, hf_dir=str(tmp_path / "hf"), dump_folder=str(tmp_path / "out"))
     want = src.model.state_dict()
     assert set(got) == set(want)
     for k in want:

@@ -1,5 +1,6 @@
 """The training loop end to end on the shipped corpus, on CPU."""
 
+import functools
 import math
 import subprocess
 import sys
@@ -7,41 +8,62 @@ import sys
 import pytest
 import torch
 
-from components.config import ConfigError, JobConfig, parse_args
-from train import NonFiniteLossError, Trainer, main
-
-SMALL = ["--model.n_layers", "2", "--training.seq_len", "64", "--training.local_batch_size", "4",
-         "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2"]
+from components.config import ConfigError, JobConfig
+from tests.utils import SMALL, logged_steps, make_trainer, run_losses  # noqa: F401  (other modules import them from here)
+from train import NonFiniteLossError, main
 
 
-def make_trainer(tmp_path, *extra):
-    cfg = parse_args(["--config", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path), *SMALL,
-                      *extra])
-    return Trainer(cfg)
+@pytest.fixture(scope="module")
+def losses_of(tmp_path_factory):
+    """Losses of ``[training] steps`` steps of ``make_trainer(*args)``, run once per distinct args
+    in this module: tests that compare against the same reference run (plain, full AC, compiled
+    full AC) share it."""
+    root = tmp_path_factory.mktemp("runs")
+
+    @functools.cache
+    def losses(*args: str) -> tuple[float, ...]:
+        return tuple(run_losses(make_trainer(root / str(abs(hash(args))), *args)))
+
+    return lambda *args: list(losses(*args))
 
 
-def run_losses(trainer):
-    losses = []
-    data_iter = iter(trainer.dataloader)
-    trainer.step = 0
-    while trainer.step < trainer.cfg.training.steps:
-        trainer.step += 1
-        losses.append(trainer.train_step(data_iter)[0])
-    return losses
-
-
-def test_readme_command_runs_and_prints_summary():
-    out = subprocess.run([sys.executable, "train.py", "--config", "train_configs/debug_model.toml",
-                          "--training.steps", "5", "--training.seq_len", "64"],
+def test_readme_command_runs_and_prints_summary(tmp_path):
+    """``python train.py`` as the README runs it: the logged losses are those of the same steps
+    taken in this process, and the summary's means are the means of the logged per-step numbers."""
+    args = ["--config", "train_configs/debug_model.toml", "--training.steps", "5", "--training.seq_len", "64",
+            "--model.n_layers", "2", "--training.local_batch_size", "2"]
+    out = subprocess.run([sys.executable, "train.py", *args, "--job.dump_folder", str(tmp_path / "cli")],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert "step:     5" in out.stdout
-    assert "summary: steps 2-5 (window 6-20 not reached): mean tokens/s per device" in out.stdout
+    steps = logged_steps(out.stdout)
+    # debug_model.toml logs every 10 steps: the first and the last.
+    assert sorted(steps) == [1, 5], out.stdout
+    from components.config import parse_args
+    from train import Trainer
+
+    trainer = Trainer(parse_args([*args, "--job.dump_folder", str(tmp_path / "here")]))
+    data_iter = iter(trainer.dataloader)
+    trainer.step = 1
+    loss, aux, grad_norm = trainer.train_step(data_iter)
+    assert steps[1]["loss"] == pytest.approx(loss, abs=1e-4)  # printed with 4 decimals
+    assert steps[1]["aux_loss"] == pytest.approx(aux, abs=1e-4)
+    assert steps[1]["grad_norm"] == pytest.approx(grad_norm, abs=1e-4)
+    tokens = trainer.cfg.training.local_batch_size * trainer.cfg.training.seq_len
+    for s in steps.values():  # tokens/s is the step's tokens over its (printed, ms-rounded) time
+        assert s["tps"] == pytest.approx(tokens / s["step_time"], rel=0.0006 / s["step_time"], abs=0.51)
+    summary = next(line for line in out.stdout.splitlines() if line.startswith("summary:"))
+    assert summary.startswith("summary: steps 2-5 (window 6-20 not reached): mean tokens/s per device"), summary
+    mean_tps = float(summary.split("mean tokens/s per device ")[1].split()[0].replace(",", ""))
+    mean_dt = float(summary.split("mean step time ")[1].split("s")[0])
+    # Only step 5 of steps 2-5 is logged: its time is at most the sum of the four.
+    assert steps[5]["step_time"] <= 4 * mean_dt + 0.002
+    assert tokens / mean_dt <= mean_tps * (1 + 1e-3) + 1  # mean of 1/t >= 1/mean of t (Jensen)
 
 
 def test_loss_falls_on_shipped_corpus(tmp_path):
-    trainer = make_trainer(tmp_path, "--training.steps", "40", "--training.seq_len", "128",
-                           "--lr_scheduler.warmup_steps", "5")
+    # 25 steps reach a mean of 3.84 over the last 5 (40 steps: 3.38); the start is ln(vocab) ~ 7.9.
+    trainer = make_trainer(tmp_path, "--training.steps", "25", "--training.seq_len", "128",
+                           "--lr_scheduler.warmup_steps", "3")
     losses = run_losses(trainer)
     assert losses[0] > 7.0, losses[0]
     assert sum(losses[-5:]) / 5 < 4.5, losses
@@ -59,17 +81,19 @@ def test_backends_train_like_the_reference(tmp_path, backend):
     assert got == pytest.approx(ref, rel=1e-4)
 
 
-def test_chunked_loss_trains_like_full_logits(tmp_path):
-    ref = run_losses(make_trainer(tmp_path, "--training.steps", "3"))
-    got = run_losses(make_trainer(tmp_path, "--training.steps", "3", "--training.loss_chunk_size", "48"))
+def test_chunked_loss_trains_like_full_logits(losses_of):
+    ref = losses_of("--training.steps", "3")
+    got = losses_of("--training.steps", "3", "--training.loss_chunk_size", "48")
     assert got == pytest.approx(ref, rel=1e-5)
 
 
+@pytest.mark.unit
 def test_config_error_exits_before_model_is_built(capsys):
     assert main(["--config", "train_configs/debug_model.toml", "--training.stepz", "3"]) == 2
     assert "unknown key 'stepz' in [training]" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("override,pattern", [
     (["--moe.backend", "torch", "--quantize.moe", "fp8_blockwise"], "not available for \\[moe\\] backend = 'torch'"),
     (["--parallelism.expert_parallel_degree", "2"], "larger than the data-parallel shard degree"),
@@ -82,6 +106,7 @@ def test_unsupported_settings_stop_at_start(tmp_path, override, pattern):
         make_trainer(tmp_path, *override)
 
 
+@pytest.mark.unit
 def test_reference_configs_fail_clearly(capsys):
     """The 32/128-GPU reference setups on one CPU process: a clear stop before any work (expert
     parallelism larger than one process allows, or a part that has not landed)."""
@@ -91,6 +116,7 @@ def test_reference_configs_fail_clearly(capsys):
         assert "not implemented yet" in err or "expert_parallel_degree" in err, err
 
 
+@pytest.mark.unit
 def test_missing_dataset_is_reported(tmp_path, capsys):
     assert main(["--config", "train_configs/debug_model.toml", "--training.dataset_path", str(tmp_path / "nope")]) == 2
     assert "nope" in capsys.readouterr().err
@@ -131,9 +157,9 @@ def test_gradient_accumulation_matches_large_batch(tmp_path):
                                    ["--compile.enable", "--compile.backend", "aot_eager"],
                                    ["--activation_checkpoint.mode", "full", "--compile.enable",
                                     "--compile.backend", "aot_eager"]])
-def test_ac_and_compile_do_not_change_training(tmp_path, extra):
-    plain = run_losses(make_trainer(tmp_path, "--training.steps", "3"))
-    other = run_losses(make_trainer(tmp_path, "--training.steps", "3", *extra))
+def test_ac_and_compile_do_not_change_training(losses_of, extra):
+    plain = losses_of("--training.steps", "3")
+    other = losses_of("--training.steps", "3", *extra)
     for a, b in zip(plain, other):
         assert math.isclose(a, b, rel_tol=1e-4), (plain, other)
 
@@ -214,6 +240,7 @@ def test_tensorboard_scalars_are_written(tmp_path):
     assert [e.step for e in acc.Scalars("loss")] == [1, 2]
 
 
+@pytest.mark.unit
 def test_fp8_blockwise_warns_on_gpu_that_it_is_slow(monkeypatch, capsys):
     """The FP8 mega kernels are correct but slower than bf16: a GPU run says so at start (and a
     CPU run, the interpreter's, does not)."""
@@ -230,14 +257,15 @@ def test_fp8_blockwise_warns_on_gpu_that_it_is_slow(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("keep", ["attention", "attention_and_moe"])
-@pytest.mark.parametrize("extra", [[], ["--moe.backend", "grouped_mm", "--compile.enable", "--compile.backend",
-                                        "aot_eager"]], ids=["eager", "compiled"])
-def test_ac_keep_trains_like_full_ac(tmp_path, keep, extra):
+@pytest.mark.parametrize("extra", [[], ["--compile.enable", "--compile.backend", "aot_eager"]],
+                         ids=["eager", "compiled"])
+def test_ac_keep_trains_like_full_ac(losses_of, keep, extra):
     """Keeping the attention core's (and the experts') outputs changes what is recomputed, not the
-    numbers: float32 on CPU, bitwise the losses of full activation checkpointing."""
+    numbers: float32 on CPU, bitwise the losses of full activation checkpointing. (The debug
+    config's MoE backend is grouped_mm, the one that compiles.)"""
     common = ["--training.steps", "3", "--activation_checkpoint.mode", "full", *extra]
-    full = run_losses(make_trainer(tmp_path, *common))
-    kept = run_losses(make_trainer(tmp_path, *common, "--activation_checkpoint.keep", keep))
+    full = losses_of(*common)
+    kept = losses_of(*common, "--activation_checkpoint.keep", keep)
     assert kept == full
 
 
@@ -269,6 +297,7 @@ def test_ac_keep_skips_the_kept_ops_in_recomputation(tmp_path, monkeypatch, keep
     assert calls == {"attend": attend_calls * layers, "experts": expert_calls * layers}
 
 
+@pytest.mark.unit
 def test_ac_keep_needs_checkpointing(tmp_path):
     with pytest.raises(ConfigError, match="keep = 'attention' keeps ops of checkpointed blocks"):
         make_trainer(tmp_path, "--activation_checkpoint.keep", "attention")

@@ -1,0 +1,190 @@
+"""Helpers shared by the test modules: one place for the small trainer runs, the multi-process
+(gloo) runs and their single-process references, and the Triton-interpreter guard.
+
+- Trainer runs: :data:`DEBUG_CONFIG`, :data:`SMALL`, :func:`trainer_args`, :func:`make_trainer`,
+  :func:`run_losses`, :func:`logged_steps`.
+- Distributed runs (tests/test_distributed.py's protocol): :data:`DIST_BASE`, :func:`global_batches`,
+  :func:`batch_iter`, :func:`run_steps`, :func:`full_state`, :func:`load_full_state`,
+  :func:`assert_same_training`; the pool of gloo workers: :func:`run_job` (tests/multiprocess.py).
+- Files: :func:`write_file`, :func:`load_script`.
+- Kernel inputs: :func:`random_seed`, :func:`rel_error`, :func:`make_routing`.
+- Triton: :data:`HAS_CUDA`, :data:`DEVICE`, :func:`skip_unless_runnable` (tests/triton_interpreter.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.multiprocess import close_pools, free_port, run_job  # noqa: F401  (re-exported)
+from tests.triton_interpreter import DEVICE, HAS_CUDA, skip_unless_runnable  # noqa: F401  (re-exported)
+
+ROOT = Path(__file__).resolve().parent.parent
+DEBUG_CONFIG = ["--config", "train_configs/debug_model.toml"]
+
+# --------------------------------------------------------------------------------------------------
+# Small single-process trainer runs
+# --------------------------------------------------------------------------------------------------
+
+# The debug model cut to 2 layers, 4 x 64 tokens a step, every step logged.
+SMALL = ["--model.n_layers", "2", "--training.seq_len", "64", "--training.local_batch_size", "4",
+         "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2"]
+
+
+def trainer_args(dump_folder, *extra: str, base: list[str] = SMALL) -> list[str]:
+    return [*DEBUG_CONFIG, "--job.dump_folder", str(dump_folder), *base, *extra]
+
+
+def make_trainer(tmp_path, *extra: str, base: list[str] = SMALL):
+    """A Trainer of the debug model (``base`` then ``extra`` over train_configs/debug_model.toml)
+    writing under ``tmp_path``."""
+    from components.config import parse_args
+    from train import Trainer
+
+    return Trainer(parse_args(trainer_args(tmp_path, *extra, base=base)))
+
+
+def run_losses(trainer) -> list[float]:
+    """Train ``[training] steps`` steps on the trainer's own dataloader; the per-step losses."""
+    losses = []
+    data_iter = iter(trainer.dataloader)
+    trainer.step = 0
+    while trainer.step < trainer.cfg.training.steps:
+        trainer.step += 1
+        losses.append(trainer.train_step(data_iter)[0])
+    return losses
+
+
+_STEP_LINE = re.compile(r"^step:\s+(\d+)\s+loss:\s+(\S+)\s+aux_loss:\s+(\S+)\s+grad_norm:\s+(\S+)\s+lr:\s+(\S+)\s+"
+                        r"memory:\s+(\S+)GiB\s+tps:\s+(\S+)\s+step_time:\s+(\S+)s", re.M)
+
+
+def logged_steps(out: str) -> dict[int, dict[str, float]]:
+    """The trainer's metrics lines (components/metrics.py ``MetricsLogger.log``) by step."""
+    steps = {}
+    for m in _STEP_LINE.finditer(out):
+        steps[int(m.group(1))] = {
+            "loss": float(m.group(2)), "aux_loss": float(m.group(3)), "grad_norm": float(m.group(4)),
+            "lr": float(m.group(5)), "memory_gib": float(m.group(6)), "tps": float(m.group(7).replace(",", "")),
+            "step_time": float(m.group(8))}
+    return steps
+
+
+# --------------------------------------------------------------------------------------------------
+# Multi-process runs against one process (tests/test_distributed.py's protocol)
+# --------------------------------------------------------------------------------------------------
+
+LOCAL_BS, SEQ, STEPS = 2, 32, 3
+DIST_BASE = [*DEBUG_CONFIG, "--model.n_layers", "2", "--training.seq_len", str(SEQ),
+             "--training.local_batch_size", str(LOCAL_BS), "--lr_scheduler.warmup_steps", "1",
+             "--training.device", "cpu", "--training.mixed_precision_param", "float32"]
+
+
+def global_batches(dp: int, steps: int = STEPS, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2048, (steps, dp * LOCAL_BS, SEQ + 1), generator=gen)
+
+
+def batch_iter(batches: torch.Tensor, dp_rank: int, dp: int, accumulate: bool):
+    """Yields this rank's micro-batch of each step; with ``accumulate`` (one process standing in
+    for dp ranks) yields every rank's micro-batch of a step in turn."""
+    for step_batch in batches:
+        ranks = range(dp) if accumulate else [dp_rank]
+        for r in ranks:
+            rows = step_batch[r * LOCAL_BS:(r + 1) * LOCAL_BS]
+            yield rows[:, :-1], rows[:, 1:]
+
+
+def full_state(model) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.clone() for k, v in sd.items()}
+
+
+def load_full_state(model, state: dict[str, torch.Tensor]) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+
+
+def run_steps(trainer, batches, dp, accumulate, start_step=0) -> list[float]:
+    dp_rank = trainer.parallel_dims.dp_mesh.get_local_rank() if trainer.distributed else 0
+    it = batch_iter(batches, dp_rank, dp, accumulate)
+    losses = []
+    for step in range(start_step + 1, start_step + len(batches) + 1):
+        trainer.step = step
+        losses.append(trainer.train_step(it)[0])
+    return losses
+
+
+def assert_same_training(got: dict, want: dict, rtol: float = 1e-4, atol: float = 1e-5) -> None:
+    assert got["losses"] == pytest.approx(want["losses"], rel=1e-5), (got["losses"], want["losses"])
+    assert got["state"].keys() == want["state"].keys()
+    for name, value in want["state"].items():
+        torch.testing.assert_close(got["state"][name], value, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Files
+# --------------------------------------------------------------------------------------------------
+
+
+def write_file(folder, name: str, text: str) -> str:
+    p = Path(folder) / name
+    p.write_text(text)
+    return str(p)
+
+
+def load_script(name: str):
+    """scripts/<name>.py as a module (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(f"scripts_{name}", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[f"scripts_{name}"] = module  # dataclasses look their module up while executing it
+    spec.loader.exec_module(module)
+    return module
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernel test inputs (the MoE kernels' tests each had a copy of these)
+# --------------------------------------------------------------------------------------------------
+
+
+def random_seed() -> int:
+    """Seed torch from os.urandom (fresh inputs every run; put the seed in failure messages);
+    ``TEST_SEED=<n>`` replays a failure's seed."""
+    seed = int(os.environ.get("TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+    torch.manual_seed(seed)
+    return seed
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64."""
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def make_routing(T: int, K: int, E: int, kind: str, device=DEVICE) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_ids_TK int64, topk_weights_TK float32) for a routing pattern named by ``kind``:
+    ``random`` (distinct experts per token, as a top-k router gives), ``empty_expert`` (experts 0
+    and E-1 receive nothing), ``one_expert`` (every slot on one expert; ids repeat within a token),
+    ``empty_slots`` (expert parallelism's padding: some slots are -1)."""
+    if kind == "random":
+        ids = torch.rand(T, E, device=device).argsort(dim=1)[:, :K]
+    elif kind == "empty_expert":
+        ids = 1 + torch.rand(T, E - 2, device=device).argsort(dim=1)[:, :K]
+    elif kind == "one_expert":
+        ids = torch.full((T, K), E // 2, device=device, dtype=torch.int64)
+    elif kind == "empty_slots":
+        ids = torch.rand(T, E, device=device).argsort(dim=1)[:, :K]
+        ids = torch.where(torch.rand(T, K, device=device) < 0.3, -1, ids)
+    else:
+        raise ValueError(kind)
+    weights = torch.randn(T, K, device=device).softmax(dim=-1)
+    return ids.contiguous(), weights
