@@ -62,7 +62,8 @@ def route_by_expert_aligned(topk_ids_TK: torch.Tensor, num_experts: int
     # and then dropped.
     r_N = torch.arange(N, device=device)
     valid_N = r_N < offsets_E1[E]
-    e_N = torch.searchsorted(offsets_E1[1:], r_N, right=True).clamp(max=E - 1)
+    # (searching all E+1 offsets, not a slice of them: inductor's CUDA searchsorted takes no view)
+    e_N = (torch.searchsorted(offsets_E1, r_N, right=True) - 1).clamp(max=E - 1)
     # Row = start of the expert's padded group + rank among the expert's slots (sorted, stable).
     group_start_E = torch.cumsum(padded_E, 0) - padded_E
     rank_N = r_N - offsets_E1[e_N]
