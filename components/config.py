@@ -133,12 +133,6 @@ class Parallelism:
     expert_capacity_factor: float = _field(2.0, "EP receive buffers hold this many times the mean rows per "
                                            "rank; overflow stops the step with a message (a factor >= the EP "
                                            "degree never overflows)", gt=0)
-    expert_parallel_chunks: int = _field(1, "split each MoE layer's tokens into this many chunks so the all-to-all "
-                                         "of one chunk overlaps the expert GEMMs of another (e.g. 2-4 with EP > 1; "
-                                         "each chunk has its own capacity; ignored without EP). Overlaps in eager; "
-                                         "compiled with inductor, the trainer adds its own comm reordering pass (all "
-                                         "dispatches issued first, each combine under the next chunk's experts: "
-                                         "parallelisms/compile.py). Unmeasured on multi-GPU yet", ge=1)
 
 
 @dataclass
@@ -209,6 +203,30 @@ class Profiling:
 
 
 @dataclass
+class Experimental:
+    """Features that work and are tested on CPU but have no GPU measurement yet; keys may change."""
+
+    expert_parallel_chunks: int = _field(1, "split each MoE layer's tokens into this many chunks so the all-to-all "
+                                         "of one chunk overlaps the expert GEMMs of another (e.g. 2-4 with EP > 1; "
+                                         "each chunk has its own capacity; ignored without EP). Overlaps in eager; "
+                                         "compiled with inductor, the trainer adds its own comm reordering pass (all "
+                                         "dispatches issued first, each combine under the next chunk's experts: "
+                                         "parallelisms/compile.py). Unmeasured on multi-GPU yet", ge=1)
+
+
+# Keys that moved to another section: (old section, key) -> new section, for a clear error.
+MOVED_KEYS = {("parallelism", "expert_parallel_chunks"): "experimental"}
+
+
+def _unknown_key(where: str, section: str, key: str, fields) -> ConfigError:
+    if (section, key) in MOVED_KEYS:
+        new = MOVED_KEYS[section, key]
+        return ConfigError(f"{where}: [{section}] {key} moved to [{new}]: write it as [{new}] {key} "
+                           f"(--{new}.{key} on the command line)")
+    return ConfigError(f"{where}: unknown key {key!r} in [{section}]; allowed keys: {', '.join(fields)}")
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -223,6 +241,7 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
+    experimental: Experimental = field(default_factory=Experimental)
 
 
 def _sections() -> dict[str, dataclasses.Field]:
@@ -270,7 +289,7 @@ def _apply_section(cfg: JobConfig, where: str, section: str, values: dict[str, A
     fields = _section_fields(type(obj))
     for key, value in values.items():
         if key not in fields:
-            raise ConfigError(f"{where}: unknown key {key!r} in [{section}]; allowed keys: {', '.join(fields)}")
+            raise _unknown_key(where, section, key, fields)
         f = fields[key]
         setattr(obj, key, _check_value(where, section, key, f, _field_type(type(obj), f), value))
 
@@ -309,7 +328,7 @@ def _parse_overrides(args: list[str]) -> list[tuple[str, str, Any]]:
         section_cls = sections[section].default_factory
         fields = _section_fields(section_cls)
         if key not in fields:
-            raise ConfigError(f"command line: unknown key {key!r} in [{section}]; allowed keys: {', '.join(fields)}")
+            raise _unknown_key("command line", section, key, fields)
         ftype = _field_type(section_cls, fields[key])
         if eq:
             text = inline

@@ -22,9 +22,9 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: JobConfig, dist
 
         dtype = torch.bfloat16 if cfg.training.mixed_precision_param == "bfloat16" else torch.float32
         apply_ep(model, dims.mesh, cfg.parallelism.expert_capacity_factor, dtype,
-                 cfg.parallelism.expert_parallel_chunks)
+                 cfg.experimental.expert_parallel_chunks)
     # Chunked EP's all-to-alls only overlap in a compiled block with inductor's comm reordering on.
-    apply_compile(model, cfg.compile, comm_reordering=dims.ep_enabled and cfg.parallelism.expert_parallel_chunks > 1)
+    apply_compile(model, cfg.compile, comm_reordering=dims.ep_enabled and cfg.experimental.expert_parallel_chunks > 1)
     apply_ac(model, cfg.activation_checkpoint)
     if distributed:
         from parallelisms.fsdp import apply_fsdp

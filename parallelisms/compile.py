@@ -9,7 +9,7 @@ import torch.nn as nn
 from components.config import Compile
 
 # Inductor's compute/communication reordering, on when a compiled block holds several independent
-# all-to-alls (chunked expert parallelism, ``[parallelism] expert_parallel_chunks`` > 1): without it
+# all-to-alls (chunked expert parallelism, ``[experimental] expert_parallel_chunks`` > 1): without it
 # inductor keeps each wait right after its collective and the chunks overlap nothing. In a training
 # graph each collective also depends on the previous collective's wait, which no builtin pass lifts,
 # so ``unchained_reorder`` runs these builtin passes with those dependencies lifted, then sinks each

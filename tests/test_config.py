@@ -89,3 +89,15 @@ def test_docs_config_reference_is_current():
     page = (Path(__file__).resolve().parent.parent / "docs" / "config.md").read_text()
     block = page.split("<!-- config-reference -->\n", 1)[1].split("<!-- /config-reference -->", 1)[0]
     assert block.strip() == config_markdown().strip(), "regenerate with: python scripts/regen_config_reference.py"
+
+
+def test_moved_key_names_its_new_section(tmp_path):
+    """A key that moved sections is refused with its new place, in the TOML file and on the command line;
+    at the new place it is read."""
+    path = write_file(tmp_path, "old.toml", "[parallelism]\nexpert_parallel_chunks = 2\n")
+    with pytest.raises(ConfigError, match=r"\[parallelism\] expert_parallel_chunks moved to \[experimental\]"):
+        load_config(str(path))
+    with pytest.raises(ConfigError, match=r"--experimental\.expert_parallel_chunks"):
+        parse_args(["--config", "train_configs/debug_model.toml", "--parallelism.expert_parallel_chunks", "2"])
+    cfg = parse_args(["--config", "train_configs/debug_model.toml", "--experimental.expert_parallel_chunks", "3"])
+    assert cfg.experimental.expert_parallel_chunks == 3 and cfg.parallelism.expert_capacity_factor == 2.0

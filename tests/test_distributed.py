@@ -106,12 +106,12 @@ LAYOUTS = {
     # must be the unchunked one (compiled: the chunk loop is traced into one fullgraph). 64 tokens
     # per rank: 3 chunks are uneven (22, 21, 21), and 100 chunks become 64 of one token each.
     "ep2_chunks2_compile": (2, ["--parallelism.expert_parallel_degree", "2", "--parallelism.expert_capacity_factor",
-                                "2", "--parallelism.expert_parallel_chunks", "2", "--compile.enable", "--compile.backend",
+                                "2", "--experimental.expert_parallel_chunks", "2", "--compile.enable", "--compile.backend",
                                 "aot_eager"]),
     # The same with inductor: the trainer then schedules the all-to-alls with its own reorder pass
     # (parallelisms/compile.unchained_reorder), which must not change what is computed.
     "ep2_chunks2_inductor": (2, ["--parallelism.expert_parallel_degree", "2", "--parallelism.expert_capacity_factor",
-                                 "2", "--parallelism.expert_parallel_chunks", "2", "--compile.enable"]),
+                                 "2", "--experimental.expert_parallel_chunks", "2", "--compile.enable"]),
     # Activation checkpointing that keeps the attention core and the experts instead of recomputing
     # them (keep = "attention" alone: test_train.py, compiled and eager, bitwise against full AC).
     "dp_shard2_keep_attention_and_moe": (2, ["--activation_checkpoint.mode", "full",
@@ -126,8 +126,8 @@ LAYOUTS = {
     # The Triton AdamW on the local shards of DTensor parameters of both meshes (clip folded in).
     "ep2_triton_adamw": (2, ["--parallelism.expert_parallel_degree", "2", "--optimizer.implementation", "triton"]),
     "ep4_chunks3": (4, ["--parallelism.expert_parallel_degree", "4", "--parallelism.expert_capacity_factor", "4",
-                        "--parallelism.expert_parallel_chunks", "3"]),
-    "ep2_chunks_over_tokens": (2, ["--parallelism.expert_parallel_degree", "2", "--parallelism.expert_parallel_chunks",
+                        "--experimental.expert_parallel_chunks", "3"]),
+    "ep2_chunks_over_tokens": (2, ["--parallelism.expert_parallel_degree", "2", "--experimental.expert_parallel_chunks",
                                    "100"]),
 }
 
@@ -192,7 +192,7 @@ def test_ep_capacity_overflow_is_reported_not_dropped(reference, tmp_path):
 def test_ep_capacity_overflow_is_reported_with_chunks(reference, tmp_path):
     """Each chunk has its own (smaller) buffers; their overflow is summed and reported the same way."""
     got = spawn(2, ["--parallelism.expert_parallel_degree", "2", "--parallelism.expert_capacity_factor", "0.2",
-                    "--parallelism.expert_parallel_chunks", "3"],
+                    "--experimental.expert_parallel_chunks", "3"],
                 reference["init"], mode="overflow")
     assert "step 1:" in got["message"] and "did not fit the expert-parallel receive buffers" in got["message"]
 
@@ -201,9 +201,9 @@ def test_ep_capacity_overflow_is_reported_with_chunks(reference, tmp_path):
 def test_expert_parallel_chunks_must_be_positive():
     from components.config import ConfigError, parse_args
 
-    with pytest.raises(ConfigError, match=r"command line: \[parallelism\] expert_parallel_chunks = 0 is out of "
+    with pytest.raises(ConfigError, match=r"command line: \[experimental\] expert_parallel_chunks = 0 is out of "
                                           r"range: must be >= 1"):
-        parse_args(BASE + ["--parallelism.expert_parallel_chunks", "0"])
+        parse_args(BASE + ["--experimental.expert_parallel_chunks", "0"])
 
 
 @pytest.mark.unit
@@ -238,7 +238,7 @@ def test_bad_parallel_configs(world, args, pattern):
 
 @pytest.mark.parametrize("world,ep_args", [
     (2, ["--parallelism.expert_parallel_degree", "2"]),
-    (2, ["--parallelism.expert_parallel_degree", "2", "--parallelism.expert_parallel_chunks", "2"]),
+    (2, ["--parallelism.expert_parallel_degree", "2", "--experimental.expert_parallel_chunks", "2"]),
     (4, ["--parallelism.expert_parallel_degree", "2"]),  # expert-FSDP 2: cached shards, then all-gathered
 ], ids=["ep2", "ep2-chunks2", "dp_shard4-ep2"])
 def test_expert_weight_cache_under_ep(reference, tmp_path, world, ep_args):
