@@ -10,10 +10,8 @@ torch's). Two kinds of check:
 - GEMMs: kernel vs float64 from the dequantized operands (tight: only fp32 accumulation differs),
   and vs the unquantized product (FP8-level: relative Frobenius error below 6%).
 
-Inputs are fresh random draws each run; the seed is in every failure message.
+Inputs are fresh random draws each run; the seed is in every failure message (TEST_SEED=<n> replays it).
 """
-
-import os
 
 import pytest
 import torch
@@ -25,6 +23,7 @@ from kernels.moe.routing import sort_by_expert, tile_table  # noqa: E402
 
 from tests.triton_interpreter import DEVICE, skip_unless_runnable  # noqa: E402
 from tests.triton_interpreter import HAS_CUDA as _HAS_CUDA  # noqa: E402
+from tests.utils import make_routing, random_seed  # noqa: E402
 
 skip_unless_runnable(Q._quantize_1x128_kernel, "kernels.fp8")
 
@@ -47,12 +46,6 @@ pytestmark = [
     # The interpreter's sigmoid of a very negative gate (outlier rows) overflows exp to inf: -> 0.
     pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning"),
 ]
-
-
-def _seed() -> int:
-    seed = int.from_bytes(os.urandom(4), "little")
-    torch.manual_seed(seed)
-    return seed
 
 
 def _m(prefix: str):
@@ -123,7 +116,7 @@ def test_e4m3_cast_every_value_and_tie(sign):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 1), (37, 300), (64, 256), (130, 129)])
 def test_quantize_rowwise_matches_reference(shape, dtype, pow2):
-    seed = _seed()
+    seed = random_seed()
     x = _input(*shape, dtype)
     msg = f"seed {seed} shape {shape} {dtype} pow2={pow2}"
     got = Q.quantize_1x128(x, pow2)
@@ -142,7 +135,7 @@ def test_quantize_rowwise_matches_reference(shape, dtype, pow2):
 def test_roundtrip_relative_error_gaussian(pow2):
     """Typical error: relative Frobenius error of dequant(quant(x)) on Gaussian data is a few %
     (e4m3 has 3 mantissa bits: rms relative rounding error ~ 2^-4 / sqrt(3) for uniform mantissas)."""
-    seed = _seed()
+    seed = random_seed()
     x = torch.randn(64, 384, device=DEVICE)
     q, s = Q.quantize_1x128(x, pow2)
     rel = ((Q.dequantize_rowwise_ref(q, s) - x).norm() / x.norm()).item()
@@ -155,7 +148,7 @@ def test_roundtrip_relative_error_gaussian(pow2):
 def test_outlier_rows_do_not_touch_other_rows():
     """1 x 128 tiles: scaling a few rows by 100 changes only those rows' bytes and scales; for
     weights, only the 128 x 128 blocks that hold an outlier row."""
-    seed = _seed()
+    seed = random_seed()
     x = torch.randn(300, 260, device=DEVICE)
     out_rows = torch.tensor([3, 150, 299])
     x2 = x.clone()
@@ -189,7 +182,7 @@ def test_zeros(pow2):
 @pytest.mark.parametrize("shape", [(1, 1), (37, 300), (256, 128), (130, 129)])
 def test_quantize_dual_matches_reference(shape, pow2):
     """Row copy and column copy from one read == rowwise(x) and rowwise(x.T), bit for bit."""
-    seed = _seed()
+    seed = random_seed()
     x = _input(*shape, torch.bfloat16)
     got = Q.quantize_dual(x, pow2)
     _assert_same_q(got, Q.quantize_dual_ref(x, pow2), f"seed {seed} shape {shape} pow2={pow2}")
@@ -203,7 +196,7 @@ def test_quantize_dual_matches_reference(shape, pow2):
 @pytest.mark.parametrize("pow2", [False, True])
 @pytest.mark.parametrize("shape", [(1, 1, 1), (3, 200, 300), (2, 256, 128), (1, 129, 257)])
 def test_quantize_weight_matches_reference(shape, pow2):
-    seed = _seed()
+    seed = random_seed()
     w = (torch.randn(shape, device=DEVICE) * 0.02).to(torch.bfloat16)
     w[0, : min(3, shape[1])] *= 100  # outlier rows
     msg = f"seed {seed} shape {shape} pow2={pow2}"
@@ -220,7 +213,7 @@ def test_quantize_weight_matches_reference(shape, pow2):
 def test_weight_transpose_needs_no_requantization(pow2):
     """dgrad's transposed weight: (q.mT, s.mT) dequantizes to dequant(q, s).mT exactly, and
     quantizing w.mT from scratch gives those very bytes and scales."""
-    seed = _seed()
+    seed = random_seed()
     w = torch.randn(2, 200, 300, device=DEVICE) * 0.02
     q, s = Q.quantize_weight(w, pow2)
     qT, sT = q.mT.contiguous(), s.mT.contiguous()
@@ -238,7 +231,7 @@ def test_expert_weights_quantized_in_one_pass(E, F, D, pow2):
     from kernels.moe.mega_fp8 import backward as B
     from kernels.moe.mega_fp8.weights import QuantizedExpertWeights
 
-    seed = _seed()
+    seed = random_seed()
     msg = f"seed {seed} E={E} F={F} D={D} pow2={pow2}"
     w1, w3 = (torch.randn(E, F, D, device=DEVICE) * 0.05 for _ in range(2))
     w2 = torch.randn(E, D, F, device=DEVICE) * 0.05
@@ -274,22 +267,6 @@ def test_expert_weights_quantized_in_one_pass(E, F, D, pow2):
 # --------------------------------------------------------------------------------------------------
 
 
-def _routing(T, K, E, kind):
-    """topk_ids_TK for a routing pattern named by ``kind``."""
-    if kind == "random":
-        ids = torch.rand(T, E, device=DEVICE).argsort(dim=1)[:, :K]
-    elif kind == "empty_expert":  # experts 0 and E-1 get nothing
-        ids = 1 + torch.rand(T, E - 2, device=DEVICE).argsort(dim=1)[:, :K]
-    elif kind == "one_expert":  # every slot on one expert
-        ids = torch.full((T, K), E // 2, device=DEVICE, dtype=torch.int64)
-    elif kind == "empty_slots":  # some slots -1 (expert parallelism's padding)
-        ids = torch.rand(T, E, device=DEVICE).argsort(dim=1)[:, :K]
-        ids[torch.rand(T, K, device=DEVICE) < 0.3] = -1
-    else:
-        raise ValueError(kind)
-    return ids.contiguous()
-
-
 # (T, top_k, E, kind): top-1 and top-8; row counts not multiples of any tile; awkward routings.
 ROUTINGS = [
     (37, 1, 4, "random"),
@@ -320,13 +297,13 @@ def _tile_rows(offsets_E1, n_tiles):
 @pytest.mark.parametrize("D", [200, 256])
 @pytest.mark.parametrize("routing", ROUTINGS, ids=lambda r: f"T{r[0]}k{r[1]}E{r[2]}-{r[3]}")
 def test_grouped_gemm_gathered(routing, D):
-    seed = _seed()
+    seed = random_seed()
     T, K, E, kind = routing
     N = 96
     msg = f"seed {seed} {routing} D={D}"
     x = _input(T, D, torch.bfloat16, zeros=False)
     w = torch.randn(E, N, D, device=DEVICE) * 0.05
-    ids = _routing(T, K, E, kind)
+    ids = make_routing(T, K, E, kind)[0]
     slots, offs = sort_by_expert(ids, E)
     xq, xs = Q.quantize_1x128(x)
     wq, ws = Q.quantize_weight(w)
@@ -355,9 +332,9 @@ def test_grouped_gemm_gathered(routing, D):
 def test_grouped_gemm_sorted_rows_and_transposed_weight():
     """Down-GEMM layout (A already expert-sorted, no gather) with pow2 scales, and dgrad through
     the transposed weight bytes (no requantization)."""
-    seed = _seed()
+    seed = random_seed()
     T, K, E, F, D = 40, 2, 4, 160, 136
-    slots, offs = sort_by_expert(_routing(T, K, E, "random"), E)
+    slots, offs = sort_by_expert(make_routing(T, K, E, "random")[0], E)
     a = torch.randn(T * K, F, device=DEVICE)
     w2 = torch.randn(E, D, F, device=DEVICE) * 0.05
     aq, as_ = Q.quantize_1x128(a, pow2_scales=True)
@@ -380,11 +357,11 @@ def test_grouped_gemm_sorted_rows_and_transposed_weight():
 def test_grouped_gemm_combine_epilogue(routing):
     """Down-GEMM epilogue of the MoE: row r stored at its slot, scaled by the slot's routing weight
     (fp32, before the one rounding); empty slots (NaN weight here) are neither read nor written."""
-    seed = _seed()
+    seed = random_seed()
     T, K, E, kind = routing
     F, D = 136, 96
     msg = f"seed {seed} {routing}"
-    ids = _routing(T, K, E, kind)
+    ids = make_routing(T, K, E, kind)[0]
     slots, offs = sort_by_expert(ids, E)
     weights = torch.rand(T * K, device=DEVICE)
     weights[ids.view(-1) < 0] = float("nan")
@@ -407,14 +384,14 @@ def test_grouped_gemm_combine_epilogue(routing):
 @pytest.mark.parametrize("routing", ROUTINGS[:3] + ROUTINGS[4:], ids=lambda r: f"T{r[0]}k{r[1]}E{r[2]}-{r[3]}")
 def test_gate_up_swiglu(routing):
     """w1/w3 GEMM with the SwiGLU epilogue; A written already quantized == quantize_1x128(A)."""
-    seed = _seed()
+    seed = random_seed()
     T, K, E, kind = routing
     D, F = 136, 160
     msg = f"seed {seed} {routing}"
     x = _input(T, D, torch.float32, zeros=False)
     w1 = torch.randn(E, F, D, device=DEVICE) * 0.05
     w3 = torch.randn(E, F, D, device=DEVICE) * 0.05
-    slots, offs = sort_by_expert(_routing(T, K, E, kind), E)
+    slots, offs = sort_by_expert(make_routing(T, K, E, kind)[0], E)
     xq, xs = Q.quantize_1x128(x)
     w1q, w1s = Q.quantize_weight(w1)
     w3q, w3s = Q.quantize_weight(w3)
@@ -452,11 +429,11 @@ def test_scalar_and_vector_weight_scales_agree(routing):
     tiles with a vector of them: the same products up to fp32 rounding, with scales prefetched one
     K block ahead; K = 300 ends in a partial block and N = 136 in a partial tile whose wrapped
     columns read another scale block."""
-    seed = _seed()
+    seed = random_seed()
     T, K, E, kind = routing
     D, F = 300, 136
     msg = f"seed {seed} {routing}"
-    ids = _routing(T, K, E, kind)
+    ids = make_routing(T, K, E, kind)[0]
     slots, offs = sort_by_expert(ids, E)
     xq, xs = Q.quantize_1x128(_input(T, D, torch.float32, zeros=False))
     wq, ws = Q.quantize_weight(torch.randn(E, F, D, device=DEVICE) * 0.05)
@@ -486,12 +463,12 @@ def test_cols_grouped_and_wgrad(routing, pow2):
     128-column block per tile: bit-exact vs the reference (padding included, surplus tiles zero),
     and dW[e] = dH_e^T @ x_e: tight vs float64 of the dequantized operands, FP8-level vs the
     unquantized product, exact zeros for an expert with no rows."""
-    seed = _seed()
+    seed = random_seed()
     T, K, E, kind = routing
     D, F = 72, 48
     msg = f"seed {seed} {routing} pow2={pow2}"
     x = _input(T, D, torch.bfloat16, zeros=False)
-    slots, offs = sort_by_expert(_routing(T, K, E, kind), E)
+    slots, offs = sort_by_expert(make_routing(T, K, E, kind)[0], E)
     dh = torch.randn(T * K, F, device=DEVICE)
 
     btq, bts = Q.quantize_cols_grouped(x, offs, slots, K, pow2)
@@ -561,12 +538,12 @@ def test_clear_errors():
 def test_gpu_gate_up_at_30b_shape():
     """Accuracy at the Qwen3-30B-A3B expert shape (D 2048, F 768, E 128, top-8) on the GPU:
     tight vs the dequantized float64 reference on a few experts, FP8-level vs bf16."""
-    seed = _seed()
+    seed = random_seed()
     T, K, E, D, F = 2048, 8, 128, 2048, 768
     x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
     w1 = (torch.randn(E, F, D, device="cuda") * 0.02).to(torch.bfloat16)
     w3 = (torch.randn(E, F, D, device="cuda") * 0.02).to(torch.bfloat16)
-    slots, offs = sort_by_expert(_routing(T, K, E, "random"), E)
+    slots, offs = sort_by_expert(make_routing(T, K, E, "random")[0], E)
     xq, xs = Q.quantize_1x128(x)
     w1q, w1s = Q.quantize_weight(w1)
     w3q, w3s = Q.quantize_weight(w3)
@@ -582,7 +559,7 @@ def test_gemm_variants_bench_kernel():
     every non-TMA mode: bf16-output rounding from the dequantized reference."""
     from bench.fp8_gemm_variants import cpu_check
 
-    seed = _seed()
+    seed = random_seed()
     errors = cpu_check(seed, DEVICE)
     assert len(errors) == 10 and all(e < 1e-2 for e in errors.values()), f"seed {seed}: {errors}"
 
@@ -594,11 +571,11 @@ def test_tma_loads_are_bitwise_the_pointer_loads(routing):
     bitwise the same GEMMs, incl. a partial K block (D = 208) and a partial N tile (F = 144), each
     also against the float64 reference. Rows of 10 bytes cannot be addressed by TMA: those fall
     back to pointer loads."""
-    seed = _seed()
+    seed = random_seed()
     T, K, E, kind = routing
     D, F = 208, 144  # rows of multiples of 16 bytes: TMA-addressable
     msg = f"seed {seed} {routing}"
-    slots, offs = sort_by_expert(_routing(T, K, E, kind), E)
+    slots, offs = sort_by_expert(make_routing(T, K, E, kind)[0], E)
     n = _covered(offs)
     a_sorted = _input(T * K, F, torch.float32, zeros=False)
     aq, as_ = Q.quantize_1x128(a_sorted)

@@ -29,13 +29,8 @@ from kernels.fp8.rowwise import fp8_linear, quantize_rowwise
 from kernels.moe.grouped_mm_fp8 import (emulated_scaled_grouped_mm, moe_grouped_mm_fp8, quantize_cols_grouped,
                                     route_by_expert_aligned, scaled_grouped_mm)
 from kernels.moe.reference import moe_reference
-from tests.test_float8_linear import short_run_losses
-from tests.test_moe_backends import CASES as MOE_CASES
-from tests.test_moe_backends import make_inputs, run_with_grads
-
-
-def rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+from tests.utils import MOE_CASES, make_inputs, run_with_grads, short_run_losses
+from tests.utils import rel_error as rel
 
 
 def fp8_moe_oracle(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF):

@@ -2,11 +2,11 @@
 
 Without a GPU the Triton kernels run on CPU tensors through the Triton interpreter, in float32 at
 tiny shapes (D 32/40, F 48: partial tiles everywhere). With a GPU the same checks run in bfloat16 at
-a medium shape. Inputs are fresh random draws each run; the seed is in every failure message.
+a medium shape. Inputs are fresh random draws each run; the seed is in every failure message
+(TEST_SEED=<n> replays it).
 """
 
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -20,6 +20,7 @@ from kernels.moe.mega import forward as _fwd_module  # noqa: E402
 from kernels.moe.routing import max_tiles, num_real_tiles, sort_by_expert, tile_table  # noqa: E402
 from tests.triton_interpreter import DEVICE, skip_unless_runnable  # noqa: E402
 from tests.triton_interpreter import HAS_CUDA as _HAS_CUDA  # noqa: E402
+from tests.utils import make_routing, random_seed, rel_error  # noqa: E402
 
 skip_unless_runnable(_fwd_module._gate_up_kernel, "kernels.moe.mega")
 
@@ -27,39 +28,11 @@ skip_unless_runnable(_fwd_module._gate_up_kernel, "kernels.moe.mega")
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 
-def _seed() -> int:
-    seed = int.from_bytes(os.urandom(4), "little")
-    torch.manual_seed(seed)
-    return seed
-
-
-def _routing(T, K, E, kind, device=DEVICE):
-    """(topk_ids_TK int64, topk_weights_TK fp32) for a routing pattern named by ``kind``."""
-    if kind == "random":  # distinct experts per token, as a top-k router gives
-        ids = torch.rand(T, E, device=device).argsort(dim=1)[:, :K]
-    elif kind == "empty_expert":  # experts 0 and E-1 receive nothing
-        ids = 1 + torch.rand(T, E - 2, device=device).argsort(dim=1)[:, :K]
-    elif kind == "one_expert":  # every slot goes to one expert (ids may repeat within a token)
-        ids = torch.full((T, K), E // 2, device=device, dtype=torch.int64)
-    elif kind == "empty_slots":  # expert parallelism's padding: some slots are -1
-        ids = torch.rand(T, E, device=device).argsort(dim=1)[:, :K]
-        ids = torch.where(torch.rand(T, K, device=device) < 0.3, -1, ids)
-    else:
-        raise ValueError(kind)
-    weights = torch.randn(T, K, device=device).softmax(dim=-1)
-    return ids.contiguous(), weights
-
-
 def _weights(E, D, F, dtype, device=DEVICE):
     w1 = torch.randn(E, F, D, device=device, dtype=dtype) / D**0.5
     w3 = torch.randn(E, F, D, device=device, dtype=dtype) / D**0.5
     w2 = torch.randn(E, D, F, device=device, dtype=dtype) / F**0.5
     return w1, w3, w2
-
-
-def _rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def _mega_with_grads(x, ids, s, w1, w3, w2, dy, configs=None):
@@ -76,7 +49,7 @@ def _mega_with_grads(x, ids, s, w1, w3, w2, dy, configs=None):
 
 def _check_against_reference(T, K, E, D, F, kind, dtype, rtol, seed, configs=None):
     x = torch.randn(T, D, device=DEVICE, dtype=dtype)
-    ids, s = _routing(T, K, E, kind)
+    ids, s = make_routing(T, K, E, kind)
     w1, w3, w2 = _weights(E, D, F, dtype)
     dy = torch.randn(T, D, device=DEVICE, dtype=dtype)
 
@@ -89,7 +62,7 @@ def _check_against_reference(T, K, E, D, F, kind, dtype, rtol, seed, configs=Non
 
     assert y.dtype == dtype and y.shape == (T, D)
     msg = f"seed={seed} T={T} K={K} E={E} D={D} F={F} kind={kind} dtype={dtype}"
-    assert _rel(y, y_ref) < rtol, f"y: rel err {_rel(y, y_ref):.2e}; {msg}"
+    assert rel_error(y, y_ref) < rtol, f"y: rel err {rel_error(y, y_ref):.2e}; {msg}"
     for name, g, g_ref in zip(("x", "topk_weights", "w1", "w3", "w2"), grads, ref_grads):
         assert g.dtype == leaves[("x", "topk_weights", "w1", "w3", "w2").index(name)].dtype
         assert torch.isfinite(g).all(), f"d{name} not finite; {msg}"
@@ -101,7 +74,7 @@ def _check_against_reference(T, K, E, D, F, kind, dtype, rtol, seed, configs=Non
             err = (g.double() - g_ref).norm() / torch.maximum(g_ref.norm(), mag.norm()).clamp_min(1e-30)
             assert err < rtol, f"dtopk_weights: err {err:.2e} of the terms' size; {msg}"
         else:
-            assert _rel(g, g_ref) < rtol, f"d{name}: rel err {_rel(g, g_ref):.2e}; {msg}"
+            assert rel_error(g, g_ref) < rtol, f"d{name}: rel err {rel_error(g, g_ref):.2e}; {msg}"
 
     # Experts that receive no rows get exactly zero weight gradients.
     counts = torch.bincount(ids[ids >= 0].flatten(), minlength=E)
@@ -133,13 +106,13 @@ _INTERP_CASES = [
 @pytest.mark.skipif(_HAS_CUDA, reason="interpreter cases run on CPU only; GPU cases below")
 @pytest.mark.parametrize("T,K,E,D,F,kind", _INTERP_CASES)
 def test_forward_backward_fp32_interpreter(T, K, E, D, F, kind):
-    _check_against_reference(T, K, E, D, F, kind, torch.float32, 1e-5, _seed())
+    _check_against_reference(T, K, E, D, F, kind, torch.float32, 1e-5, random_seed())
 
 
 @pytest.mark.skipif(_HAS_CUDA, reason="interpreter case")
 def test_forward_backward_bf16_interpreter():
     """bf16 storage under the interpreter: exercises the fp32 upcast of dot operands (UPCAST)."""
-    _check_against_reference(7, 2, 4, 32, 48, "random", torch.bfloat16, 2e-2, _seed())
+    _check_against_reference(7, 2, 4, 32, 48, "random", torch.bfloat16, 2e-2, random_seed())
 
 
 @pytest.mark.skipif(not _HAS_CUDA, reason="needs CUDA")
@@ -153,12 +126,12 @@ def test_forward_backward_bf16_interpreter():
     ],
 )
 def test_forward_backward_bf16_gpu(T, K, E, D, F, kind):
-    _check_against_reference(T, K, E, D, F, kind, torch.bfloat16, 2e-2, _seed())
+    _check_against_reference(T, K, E, D, F, kind, torch.bfloat16, 2e-2, random_seed())
 
 
 @pytest.mark.skipif(not _HAS_CUDA, reason="needs CUDA")
 def test_forward_backward_fp32_gpu():
-    _check_against_reference(100, 4, 8, 96, 80, "random", torch.float32, 1e-5, _seed())
+    _check_against_reference(100, 4, 8, 96, 80, "random", torch.float32, 1e-5, random_seed())
 
 
 @pytest.mark.parametrize("split", [1, 2])
@@ -170,7 +143,7 @@ def test_dh_epilogue_split(split):
     # grouped_mm_backward off: the bf16 GPU default would run dA' by cuBLAS, not the dH kernel.
     configs = dataclasses.replace(configs, dh=dataclasses.replace(configs.dh, epilogue_split=split),
                                   grouped_mm_backward=False)
-    _check_against_reference(T, K, E, D, F, "random", dtype, tol, _seed(), configs)
+    _check_against_reference(T, K, E, D, F, "random", dtype, tol, random_seed(), configs)
 
 
 @pytest.mark.parametrize("grouped_mm_backward", [False, True])
@@ -182,7 +155,7 @@ def test_backward_paths(kind, grouped_mm_backward):
     T, K, E, D, F = (33, 2, 4, 32, 48) if not _HAS_CUDA else (1000, 8, 16, 256, 384)
     dtype, tol = (torch.float32, 1e-5) if not _HAS_CUDA else (torch.bfloat16, 2e-2)
     configs = dataclasses.replace(get_configs(D, F, E, dtype), grouped_mm_backward=grouped_mm_backward)
-    _check_against_reference(T, K, E, D, F, kind, dtype, tol, _seed(), configs)
+    _check_against_reference(T, K, E, D, F, kind, dtype, tol, random_seed(), configs)
 
 
 @pytest.mark.parametrize("persistent", [0, 1])
@@ -195,14 +168,14 @@ def test_persistent_launch(persistent):
         name: dataclasses.replace(getattr(configs, name), persistent=persistent)
         for name in ("gate_up", "down", "dh", "dx")
     })  # fmt: skip
-    _check_against_reference(T, K, E, D, F, "empty_expert", dtype, tol, _seed(), configs)
+    _check_against_reference(T, K, E, D, F, "empty_expert", dtype, tol, random_seed(), configs)
 
 
 @pytest.mark.parametrize("T,K,E,kind", [(7, 2, 4, "empty_expert"), (33, 8, 8, "random"), (20, 1, 3, "one_expert")])
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_routing_metadata(T, K, E, kind, block_m):
-    seed = _seed()
-    ids, _ = _routing(T, K, E, kind)
+    seed = random_seed()
+    ids, _ = make_routing(T, K, E, kind)
     N = T * K
     sorted_slot, offsets = sort_by_expert(ids, E)
     ids_N = ids.flatten().cpu()
@@ -224,11 +197,11 @@ def test_routing_metadata(T, K, E, kind, block_m):
 
 
 def test_deterministic():
-    seed = _seed()
+    seed = random_seed()
     T, K, E, D, F = (33, 4, 8, 32, 48) if not _HAS_CUDA else (2048, 8, 32, 512, 384)
     dtype = torch.float32 if not _HAS_CUDA else torch.bfloat16
     x = torch.randn(T, D, device=DEVICE, dtype=dtype)
-    ids, s = _routing(T, K, E, "random")
+    ids, s = make_routing(T, K, E, "random")
     ws = _weights(E, D, F, dtype)
     dy = torch.randn(T, D, device=DEVICE, dtype=dtype)
     outs = []
@@ -242,11 +215,11 @@ def test_deterministic():
 
 def test_compile_fullgraph():
     """One node each way under torch.compile(fullgraph=True): no graph break, same numbers."""
-    seed = _seed()
+    seed = random_seed()
     T, K, E, D, F = 9, 2, 4, 32, 48
     dtype = torch.float32 if not _HAS_CUDA else torch.bfloat16
     x = torch.randn(T, D, device=DEVICE, dtype=dtype)
-    ids, s = _routing(T, K, E, "random")
+    ids, s = make_routing(T, K, E, "random")
     ws = _weights(E, D, F, dtype)
 
     def layer(x, ids, s, w1, w3, w2):
@@ -270,7 +243,7 @@ def test_backend_registered():
 
 def _good_inputs(dtype=torch.float32, device=DEVICE):
     T, K, E, D, F = 3, 2, 4, 32, 48
-    ids, s = _routing(T, K, E, "random", device=device)
+    ids, s = make_routing(T, K, E, "random", device=device)
     return [torch.randn(T, D, device=device, dtype=dtype), ids, s, *_weights(E, D, F, dtype, device=device)]
 
 

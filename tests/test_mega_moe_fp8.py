@@ -19,10 +19,9 @@ shapes); with one, the same tests run on it, plus one at the Qwen3-30B expert sh
   side computes itself is quantized again (y, dx, dW), where an amax flip moves a whole 128-block:
   ``REQUANT_BOUND`` and 5% of entries (``_assert_tight`` says why and what was measured).
 
-Inputs are fresh random draws each run; the seed is in every failure message.
+Inputs are fresh random draws each run; the seed is in every failure message (TEST_SEED=<n> replays it).
 """
 
-import os
 import time
 
 import pytest
@@ -39,6 +38,7 @@ from kernels.moe.reference import moe_reference  # noqa: E402
 
 from tests.triton_interpreter import DEVICE, skip_unless_runnable  # noqa: E402
 from tests.triton_interpreter import HAS_CUDA as _HAS_CUDA  # noqa: E402
+from tests.utils import make_routing, random_seed, rel_error  # noqa: E402
 
 skip_unless_runnable(B._dh_from_da_kernel, "kernels.moe.mega_fp8")
 BF16 = torch.bfloat16
@@ -55,32 +55,11 @@ pytestmark = [
 ]
 
 
-def _seed() -> int:
-    # TEST_SEED=<n> replays a failure's seed.
-    seed = int(os.environ.get("TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
-    torch.manual_seed(seed)
-    return seed
-
-
-def _rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def _routing(T, K, E, kind):
-    """(topk_ids_TK int64, topk_weights_TK fp32) for a routing pattern named by ``kind``."""
-    if kind == "empty_expert":  # experts 0 and E-1 receive nothing
-        ids = 1 + torch.rand(T, E - 2, device=DEVICE).argsort(dim=1)[:, :K]
-    elif kind == "one_expert":  # every slot on one expert (ids repeat within a token)
-        ids = torch.full((T, K), E // 2, device=DEVICE, dtype=torch.int64)
-    else:  # "random", "empty_slots": distinct experts per token, as a top-k router gives
-        ids = torch.rand(T, E, device=DEVICE).argsort(dim=1)[:, :K]
-    weights = torch.randn(T, K, device=DEVICE).softmax(dim=-1)
-    if kind == "empty_slots":  # expert parallelism's padding: id -1, weight garbage (here NaN)
-        empty = torch.rand(T, K, device=DEVICE) < 0.3
-        ids[empty] = -1
-        weights[empty] = float("nan")
-    return ids.contiguous(), weights
+    """tests/utils.py's ``make_routing``, with garbage (NaN) weights in the empty slots as expert
+    parallelism's padding has them."""
+    ids, weights = make_routing(T, K, E, kind)
+    return ids, weights.masked_fill(ids < 0, float("nan"))
 
 
 def _inputs(T, K, E, D, F, kind, outliers=False):
@@ -116,7 +95,7 @@ def _assert_tight(got, want, name, msg, magnitude=None, requantized=False):
     got, want = got.double(), want.double()
     mag = want.abs() if magnitude is None else torch.maximum(want.abs(), magnitude.double())
     assert torch.isfinite(got).all(), f"{name} not finite; {msg}"
-    rel = _rel(got, want)
+    rel = rel_error(got, want)
     norm_bound, frac_bound = (REQUANT_BOUND, 5e-2) if requantized else (TIGHT_BOUND, 1e-3)
     if _HAS_CUDA:
         # sm_90's FP8 MMA accumulates each 128-long K block in reduced precision (~14 bits,
@@ -132,7 +111,7 @@ def _assert_tight(got, want, name, msg, magnitude=None, requantized=False):
 
 def _check(T, K, E, D, F, kind, outliers=False, wgrad="fp8", pow2=False, dh_quant=False):
     """One forward + backward through the op's autograd; FP8-level and tight checks of everything."""
-    seed = _seed()
+    seed = random_seed()
     x, ids, s, w1, w3, w2, dy = _inputs(T, K, E, D, F, kind, outliers)
     msg = f"seed={seed} T={T} K={K} E={E} D={D} F={F} {kind} outliers={outliers} wgrad={wgrad} pow2={pow2}"
     leaves = [t.clone().requires_grad_() for t in (x, s, w1, w3, w2)]
@@ -152,7 +131,7 @@ def _check(T, K, E, D, F, kind, outliers=False, wgrad="fp8", pow2=False, dh_quan
     for name, g in zip(GRADS, grads):
         assert torch.isfinite(g).all(), f"d{name} not finite; {msg}"
     if not outliers:
-        errors = {"y": _rel(y, y_ref), **{f"d{n}": _rel(g, r) for n, g, r in zip(GRADS, grads, ref_grads)}}
+        errors = {"y": rel_error(y, y_ref), **{f"d{n}": rel_error(g, r) for n, g, r in zip(GRADS, grads, ref_grads)}}
     else:
         # Rows of x scaled by 100 have gates ~100x larger, so FP8's ~3.5% relative error in a gate is
         # an absolute error of several units, as wide as silu's bend: silu'(g) there is off by O(1).
@@ -160,7 +139,7 @@ def _check(T, K, E, D, F, kind, outliers=False, wgrad="fp8", pow2=False, dh_quan
         # the kernels (the tight checks below hold), and it dominates ds, dW and those rows' dx.
         # What 1 x 128 tiles must guarantee is that the other rows do not suffer.
         normal = x.float().abs().amax(1) < 20
-        errors = {"y": _rel(y, y_ref), "dx (rows without outliers)": _rel(grads[0][normal], ref_grads[0][normal])}
+        errors = {"y": rel_error(y, y_ref), "dx (rows without outliers)": rel_error(grads[0][normal], ref_grads[0][normal])}
     bounds = {"dtopk_weights": DS_BOUND}
     assert all(e < bounds.get(k, FP8_BOUND) for k, e in errors.items()), f"vs unquantized: {errors}; {msg}"
 
@@ -228,7 +207,7 @@ def test_forward_backward(T, K, E, D, F, kind, outliers, opts):
 
 def test_compile_fullgraph():
     """One node each way under torch.compile(fullgraph=True): no graph break, same numbers."""
-    seed = _seed()
+    seed = random_seed()
     x, ids, s, w1, w3, w2, _ = _inputs(6, 2, 2, 128, 128, "random")
 
     def layer(x, ids, s, w1, w3, w2):
@@ -256,7 +235,7 @@ def test_options():
         MegaFP8Options(wgrad="fp16")
     with pytest.raises(TypeError, match="MegaFP8Options"):
         mega_moe_fp8(*_good_inputs(), options={"wgrad": "bf16"})
-    seed = _seed()
+    seed = random_seed()
     x, ids, s, w1, w3, w2, dy = _inputs(6, 2, 2, 128, 128, "random")
     opts = MegaFP8Options(wgrad="bf16", pow2_scales=True)
     leaves = [t.clone().requires_grad_() for t in (x, s, w1, w3, w2)]
@@ -316,17 +295,23 @@ def test_registry_and_trainer_config():
 
 def test_trains_end_to_end(tmp_path, capsys):
     """train.py main, debug model (D 256, F 128: whole scale tiles) with the FP8 MoE for two steps;
-    bf16 compute (the FP8 backend takes bf16 only). main returns 1 on a non-finite loss."""
+    bf16 compute (the FP8 backend takes bf16 only). main returns 1 on a non-finite loss. The logged
+    losses and gradient norms follow the bf16 run of the torch backend (same config, seed and
+    data): measured on CPU at most 8e-5 (loss) and 3e-5 (grad norm) apart relatively; checked at
+    < 2e-3."""
     from train import main
+    from tests.utils import DEBUG_CONFIG, assert_steps_close
 
-    rc = main(["--config", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path),
-               "--moe.backend", "mega", "--quantize.moe", "fp8_blockwise",
-               "--training.mixed_precision_param", "bfloat16", "--model.n_layers", "1",
-               "--training.seq_len", "8", "--training.local_batch_size", "2", "--training.steps", "2",
-               "--metrics.log_freq", "1"])
+    args = [*DEBUG_CONFIG, "--job.dump_folder", str(tmp_path), "--training.mixed_precision_param", "bfloat16",
+            "--model.n_layers", "1", "--training.seq_len", "8", "--training.local_batch_size", "2",
+            "--training.steps", "2", "--metrics.log_freq", "1"]
+    rc = main([*args, "--moe.backend", "mega", "--quantize.moe", "fp8_blockwise"])
     out = capsys.readouterr()
     assert rc == 0, out.err
-    assert "step:     2" in out.out, out.out
+    rc = main([*args, "--moe.backend", "torch", "--quantize.moe", "none"])
+    want = capsys.readouterr()
+    assert rc == 0, want.err
+    assert_steps_close(out.out, want.out, steps=2, rel=2e-3)
 
 
 def test_bench_code_paths():

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from models.moe.router import TokenChoiceTopKRouter, router_aux_loss, update_expert_bias
 from models.qwen3.args import get_model_args
 from models.qwen3.model import Qwen3MoE, apply_rope, count_params, rope_cos_sin
+from tests.utils import debug_model
 
 
 @pytest.mark.parametrize("flavor,total_b,active_b", [("qwen3_30b_a3b", 30.5, 3.3), ("qwen3_235b_a22b", 235.0, 22.0)])
@@ -28,18 +29,8 @@ def test_n_layers_override_keeps_layer_shape():
     assert math.isclose((t_full - embed_out) / 48, (t_proxy - embed_out) / 4)
 
 
-def build_debug(backend="grouped_mm", expert_bias=False, **overrides):
-    args = get_model_args("debug", **overrides)
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = Qwen3MoE(args, moe_backend=backend, use_expert_bias=expert_bias)
-    model.to_empty(device="cpu")
-    model.init_weights()
-    return model
-
-
 def test_debug_forward_backward():
-    model = build_debug(n_layers=2)
+    model = debug_model(n_layers=2)
     tokens = torch.randint(0, model.args.vocab_size, (2, 32))
     logits, stats = model(tokens)
     assert logits.shape == (2, 32, model.args.vocab_size)
@@ -56,14 +47,14 @@ def test_debug_forward_backward():
 
 def test_backends_give_same_model_output():
     tokens = torch.randint(0, 2048, (2, 16))
-    ref = build_debug("torch", n_layers=2)
-    fast = build_debug("grouped_mm", n_layers=2)
+    ref = debug_model(n_layers=2, moe_backend="torch")
+    fast = debug_model(n_layers=2, moe_backend="grouped_mm")
     fast.load_state_dict(ref.state_dict())
     torch.testing.assert_close(fast(tokens)[0], ref(tokens)[0], rtol=1e-4, atol=1e-4)
 
 
 def test_causality():
-    model = build_debug(n_layers=2)
+    model = debug_model(n_layers=2)
     tokens = torch.randint(0, 2048, (1, 24))
     changed = tokens.clone()
     changed[0, 12:] = torch.randint(0, 2048, (12,))
@@ -145,14 +136,14 @@ def test_expert_bias_update_moves_toward_balance():
 
 
 def test_meta_init_is_deterministic():
-    a, b = build_debug(n_layers=1), build_debug(n_layers=1)
+    a, b = debug_model(n_layers=1), debug_model(n_layers=1)
     for (n, p), (_, q) in zip(a.state_dict().items(), b.state_dict().items()):
         assert torch.equal(p, q), n
 
 
 def test_attention_backend_choice_gives_the_same_output():
     tokens = torch.randint(0, 2048, (2, 16))
-    auto = build_debug(n_layers=1)
+    auto = debug_model(n_layers=1)
     with torch.device("meta"):
         pinned = Qwen3MoE(auto.args, moe_backend="grouped_mm", attention_backend="math")
     pinned.to_empty(device="cpu")

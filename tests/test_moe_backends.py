@@ -5,59 +5,11 @@ import torch
 
 import kernels.moe
 from kernels.moe.reference import moe_reference
-
-
-def routing(kind: str, T: int, E: int, K: int, gen: torch.Generator) -> torch.Tensor:
-    """topk_ids (T, K) with distinct experts per token, shaped by ``kind``."""
-    if kind == "random":
-        return torch.rand(T, E, generator=gen).argsort(dim=-1)[:, :K]
-    if kind == "one_expert_empty":  # expert 0 never chosen
-        return 1 + torch.rand(T, E - 1, generator=gen).argsort(dim=-1)[:, :K]
-    if kind == "all_on_first":  # every token's first choice is expert 0, the rest random
-        rest = 1 + torch.rand(T, E - 1, generator=gen).argsort(dim=-1)[:, : K - 1]
-        return torch.cat([torch.zeros(T, 1, dtype=torch.long), rest], dim=1)
-    if kind == "with_empty_slots":  # expert parallelism's padding: some slots are -1
-        ids = torch.rand(T, E, generator=gen).argsort(dim=-1)[:, :K]
-        return torch.where(torch.rand(T, K, generator=gen) < 0.3, -1, ids)
-    raise ValueError(kind)
-
-
-def make_inputs(T, D, F, E, K, kind, dtype=torch.float32, seed=None):
-    gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
-    x = torch.randn(T, D, generator=gen, dtype=dtype)
-    ids = routing(kind, T, E, K, gen)
-    w = torch.rand(T, K, generator=gen, dtype=torch.float32) + 0.1
-    w1 = torch.randn(E, F, D, generator=gen, dtype=dtype) / D**0.5
-    w3 = torch.randn(E, F, D, generator=gen, dtype=dtype) / D**0.5
-    w2 = torch.randn(E, D, F, generator=gen, dtype=dtype) / F**0.5
-    return x, ids, w, w1, w3, w2
-
-
-def run_with_grads(fn, x, ids, w, w1, w3, w2, dy, dtype):
-    """Runs fn with x and the expert weights in ``dtype`` (routing weights stay float32, as the
-    router makes them, unless dtype is float64) and returns (y, [dx, dweights, dw1, dw3, dw2])."""
-    x_, w1_, w3_, w2_ = (t.detach().to(dtype).requires_grad_() for t in (x, w1, w3, w2))
-    w_ = w.detach().to(torch.float64 if dtype == torch.float64 else torch.float32).requires_grad_()
-    y = fn(x_, ids, w_, w1_, w3_, w2_)
-    y.backward(dy.to(y.dtype))
-    return y.detach(), [t.grad for t in (x_, w_, w1_, w3_, w2_)]
-
-
-CASES = [
-    # T, D, F, E, K, routing
-    (33, 16, 24, 4, 2, "random"),
-    (17, 16, 24, 8, 1, "random"),  # top-1
-    (9, 16, 24, 8, 8, "random"),  # top-8 = every expert
-    (20, 16, 24, 6, 2, "one_expert_empty"),
-    (15, 16, 24, 5, 2, "all_on_first"),
-    (1, 16, 24, 4, 2, "random"),  # a single token
-    (25, 16, 24, 4, 2, "with_empty_slots"),
-    (12, 16, 24, 4, 1, "with_empty_slots"),
-]
+from tests.utils import MOE_CASES, make_inputs, run_with_grads
 
 
 @pytest.mark.parametrize("backend", ["torch", "grouped_mm", "mega"])
-@pytest.mark.parametrize("T,D,F,E,K,kind", CASES)
+@pytest.mark.parametrize("T,D,F,E,K,kind", MOE_CASES)
 def test_backend_matches_reference(backend, T, D, F, E, K, kind):
     x, ids, w, w1, w3, w2 = make_inputs(T, D, F, E, K, kind)
     dy = torch.randn(T, D)

@@ -70,7 +70,7 @@ triton = pytest.importorskip("triton")
 
 
 def _losses(tmp_path, *extra, steps=4, resume_at=None):
-    from tests.test_train import make_trainer
+    from tests.utils import make_trainer
 
     args = ["--optimizer.implementation", "triton", "--model.n_layers", "1", "--training.mixed_precision_param",
             "bfloat16", "--moe.backend", "torch", *extra]

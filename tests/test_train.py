@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from components.config import ConfigError, JobConfig
-from tests.utils import SMALL, logged_steps, make_trainer, run_losses  # noqa: F401  (other modules import them from here)
+from tests.utils import logged_steps, make_trainer, run_losses
 from train import NonFiniteLossError, main
 
 

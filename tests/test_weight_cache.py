@@ -10,19 +10,19 @@ bf16 (the kernels round their fp32 accumulators to nearest either way).
 import pytest
 import torch
 
-from components.config import parse_args
 from components.compute_weights import MODES, ComputeWeights, expert_mode
-from train import Trainer
 
 triton = pytest.importorskip("triton")
 from kernels.moe.mega_fp8 import MegaFP8Options, mega_moe_fp8  # noqa: E402
 from kernels.moe.mega_fp8.weights import QuantizedExpertWeights  # noqa: E402
 
-from tests.test_mega_moe_fp8 import _inputs, _seed  # noqa: E402
+from tests.test_mega_moe_fp8 import _inputs  # noqa: E402
+from tests.utils import make_trainer, random_seed, run_losses  # noqa: E402
 
 # On the GPU machine the trainer runs on the GPU: Triton kernels there take CUDA tensors only.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-SMALL = ["--config", "train_configs/debug_model.toml", "--model.n_layers", "2", "--training.seq_len", "32",
+# Over train_configs/debug_model.toml (tests/utils.py make_trainer).
+_BASE = ["--model.n_layers", "2", "--training.seq_len", "32",
          "--training.local_batch_size", "2", "--training.device", DEVICE, "--lr_scheduler.warmup_steps", "1",
          "--training.mixed_precision_param", "bfloat16"]
 
@@ -51,7 +51,7 @@ def test_quantized_weights_give_the_per_call_results(T, K, E, D, F, kind, wgrad,
     bf16 weights (bitwise) and with float32 master weights as gradient carriers (bitwise, the
     weight gradients after rounding their float32 values to bf16). Fresh random inputs each run
     (the seed is in the failure message)."""
-    seed = _seed()
+    seed = random_seed()
     x, ids, s, w1, w3, w2, dy = _inputs(T, K, E, D, F, kind)
     opts = MegaFP8Options(wgrad=wgrad, pow2_scales=pow2)
     want = _run((x, ids, s, dy), (w1, w3, w2), None, opts)
@@ -89,12 +89,9 @@ def test_expert_mode():
     assert set(MODES) == {"bf16", "fp8_blockwise"}
 
 
-def _train(extra, steps=3):
-    trainer = Trainer(parse_args(SMALL + extra))
-    data_iter = iter(trainer.dataloader)
-    losses = []
-    for trainer.step in range(1, steps + 1):
-        losses.append(trainer.train_step(data_iter)[0])
+def _train(tmp_path, extra, steps=3):
+    trainer = make_trainer(tmp_path, *extra, base=_BASE)
+    losses = run_losses(trainer, steps)
     return trainer, losses, {k: v.clone() for k, v in trainer.model.state_dict().items()}
 
 
@@ -103,12 +100,12 @@ def _train(extra, steps=3):
     ["--moe.backend", "grouped_mm", "--activation_checkpoint.mode", "full", "--compile.enable",
      "--compile.backend", "aot_eager"],
 ], ids=["torch-accum2", "grouped_mm-ac-compiled"])
-def test_bf16_cache_trains_bitwise_like_per_call_casts(extra):
+def test_bf16_cache_trains_bitwise_like_per_call_casts(tmp_path, extra):
     """bf16 autocast in one process: the cached copies are the casts each call made, refreshed after
     every optimizer step; a stale cache would change the second step's loss."""
-    cached, losses, state = _train(extra)
+    cached, losses, state = _train(tmp_path, extra)
     assert cached.weight_cache_mode == "bf16"
-    plain, plain_losses, plain_state = _train(extra + ["--moe.cache_expert_weights", "false"])
+    plain, plain_losses, plain_state = _train(tmp_path, extra + ["--moe.cache_expert_weights", "false"])
     assert plain.weight_cache_mode is None
     assert losses == plain_losses
     assert state.keys() == plain_state.keys()  # the cache's buffers are not part of the state
@@ -119,26 +116,26 @@ def test_bf16_cache_trains_bitwise_like_per_call_casts(extra):
 @pytest.mark.parametrize("more", [[], ["--compile.enable", "--compile.backend", "aot_eager", "--activation_checkpoint.mode",
                                    "full", "--activation_checkpoint.keep", "attention_and_moe"]],
                          ids=["eager", "compiled-ac-keep"])
-def test_fp8_cache_trains_like_per_call_quantization(more):
+def test_fp8_cache_trains_like_per_call_quantization(tmp_path, more):
     """mega_fp8 in one process: the first step is bitwise (same e4m3 weights); later steps follow
     closely (the cached path writes the weight gradients in float32, the per-call path in bf16).
     Compiled, the cache's tensors reach the op through the traced graph."""
     extra = ["--moe.backend", "mega", "--quantize.moe", "fp8_blockwise", "--model.n_layers", "1", *more]
-    cached, losses, _ = _train(extra, steps=2)
+    cached, losses, _ = _train(tmp_path, extra, steps=2)
     assert cached.weight_cache_mode == "fp8_blockwise"
-    _, plain_losses, _ = _train(extra + ["--moe.cache_expert_weights", "false"], steps=2)
+    _, plain_losses, _ = _train(tmp_path, extra + ["--moe.cache_expert_weights", "false"], steps=2)
     assert losses[0] == plain_losses[0]
     assert losses == pytest.approx(plain_losses, rel=1e-4)
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_eager_forward_refreshes_a_stale_cache(mode):
+def test_eager_forward_refreshes_a_stale_cache(tmp_path, mode):
     """Weights changed in place outside the trainer (here: scaled) are seen by the next eager call."""
     backend = "mega" if mode == "fp8_blockwise" else "torch"
     extra = ["--moe.backend", backend, "--model.n_layers", "1"]
     if mode == "fp8_blockwise":
         extra += ["--quantize.moe", "fp8_blockwise"]
-    trainer = Trainer(parse_args(SMALL + extra))
+    trainer = make_trainer(tmp_path, *extra, base=_BASE)
     assert trainer.weight_cache_mode == mode
     experts = trainer.model.layers["0"].moe.experts
     assert isinstance(experts.compute_weights, ComputeWeights)
@@ -162,14 +159,14 @@ def test_eager_forward_refreshes_a_stale_cache(mode):
 
 def test_resume_with_cache_gives_same_losses(tmp_path):
     """A checkpoint load writes the weights in place: the cache is refreshed before the next step."""
-    common = SMALL + ["--moe.backend", "torch", "--checkpoint.enable", "--checkpoint.interval", "2"]
-    _, ref, _ = _train(["--moe.backend", "torch"], steps=4)
-    first = Trainer(parse_args(common + ["--job.dump_folder", str(tmp_path)]))
+    common = ["--moe.backend", "torch", "--checkpoint.enable", "--checkpoint.interval", "2"]
+    _, ref, _ = _train(tmp_path / "ref", ["--moe.backend", "torch"], steps=4)
+    first = make_trainer(tmp_path, *common, base=_BASE)
     data_iter = iter(first.dataloader)
     for first.step in (1, 2):
         first.train_step(data_iter)
     first.checkpoint.save(2)
-    resumed = Trainer(parse_args(common + ["--job.dump_folder", str(tmp_path)]))
+    resumed = make_trainer(tmp_path, *common, base=_BASE)
     assert resumed.weight_cache_mode == "bf16"
     resumed.step = resumed.checkpoint.maybe_load()
     data_iter = iter(resumed.dataloader)
@@ -179,11 +176,11 @@ def test_resume_with_cache_gives_same_losses(tmp_path):
     assert losses == ref[2:]
 
 
-def test_optimizer_step_invalidates_the_cache():
+def test_optimizer_step_invalidates_the_cache(tmp_path):
     """Fused AdamW (the trainer's choice on a GPU), and foreach AdamW on DTensors, update the weights
     without moving their version counters; the trainer's optimizer hook invalidates the caches
     instead, so a later eager forward refreshes them."""
-    trainer = Trainer(parse_args(SMALL + ["--moe.backend", "torch", "--model.n_layers", "1"]))
+    trainer = make_trainer(tmp_path, "--moe.backend", "torch", "--model.n_layers", "1", base=_BASE)
     experts = trainer.model.layers["0"].moe.experts
     assert not experts.compute_weights.is_stale(experts)
     for p in trainer.model.parameters():

@@ -2,17 +2,21 @@
 (gloo) runs and their single-process references, and the Triton-interpreter guard.
 
 - Trainer runs: :data:`DEBUG_CONFIG`, :data:`SMALL`, :func:`trainer_args`, :func:`make_trainer`,
-  :func:`run_losses`, :func:`logged_steps`.
+  :func:`run_losses`, :func:`logged_steps`, :data:`SHORT`, :func:`short_run_losses`,
+  :func:`assert_steps_close` (``train.main``'s logged steps against a reference run's).
+- The debug model without the trainer: :func:`debug_model`.
 - Distributed runs (tests/test_distributed.py's protocol): :data:`DIST_BASE`, :func:`global_batches`,
   :func:`batch_iter`, :func:`run_steps`, :func:`full_state`, :func:`load_full_state`,
   :func:`assert_same_training`; the pool of gloo workers: :func:`run_job` (tests/multiprocess.py).
 - Files: :func:`write_file`, :func:`load_script`.
-- Kernel inputs: :func:`random_seed`, :func:`rel_error`, :func:`make_routing`.
+- Kernel inputs: :func:`random_seed`, :func:`rel_error`, :func:`make_routing`; MoE backends'
+  inputs and gradients: :data:`MOE_CASES`, :func:`make_inputs`, :func:`run_with_grads`.
 - Triton: :data:`HAS_CUDA`, :data:`DEVICE`, :func:`skip_unless_runnable` (tests/triton_interpreter.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import re
@@ -50,15 +54,43 @@ def make_trainer(tmp_path, *extra: str, base: list[str] = SMALL):
     return Trainer(parse_args(trainer_args(tmp_path, *extra, base=base)))
 
 
-def run_losses(trainer) -> list[float]:
-    """Train ``[training] steps`` steps on the trainer's own dataloader; the per-step losses."""
+def run_losses(trainer, steps: int | None = None) -> list[float]:
+    """Train ``steps`` steps (default ``[training] steps``, which also sets the lr schedule) on the
+    trainer's own dataloader; the per-step losses."""
     losses = []
     data_iter = iter(trainer.dataloader)
     trainer.step = 0
-    while trainer.step < trainer.cfg.training.steps:
+    while trainer.step < (trainer.cfg.training.steps if steps is None else steps):
         trainer.step += 1
         losses.append(trainer.train_step(data_iter)[0])
     return losses
+
+
+# 3 steps of the 1-layer debug model, 2 x 32 tokens a step (SMALL's other settings).
+SHORT = ["--training.steps", "3", "--model.n_layers", "1", "--training.seq_len", "32", "--training.local_batch_size", "2"]
+
+
+def short_run_losses(tmp_path, *extra: str) -> list[float]:
+    """Losses of the :data:`SHORT` run through the trainer."""
+    return run_losses(make_trainer(tmp_path, *SHORT, *extra))
+
+
+def debug_model(n_layers: int = 2, moe_backend: str = "grouped_mm", expert_bias: bool = False,
+                init: bool = True, **overrides):
+    """The debug flavor (``overrides``: Qwen3MoEArgs fields) built on the meta device; with ``init``
+    materialized on the CPU and initialized from seed 0."""
+    from models.qwen3.args import get_model_args
+    from models.qwen3.model import Qwen3MoE
+
+    args = dataclasses.replace(get_model_args("debug", n_layers=n_layers), **overrides)
+    if init:
+        torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Qwen3MoE(args, moe_backend=moe_backend, use_expert_bias=expert_bias)
+    if init:
+        model.to_empty(device="cpu")
+        model.init_weights()
+    return model
 
 
 _STEP_LINE = re.compile(r"^step:\s+(\d+)\s+loss:\s+(\S+)\s+aux_loss:\s+(\S+)\s+grad_norm:\s+(\S+)\s+lr:\s+(\S+)\s+"
@@ -74,6 +106,18 @@ def logged_steps(out: str) -> dict[int, dict[str, float]]:
             "lr": float(m.group(5)), "memory_gib": float(m.group(6)), "tps": float(m.group(7).replace(",", "")),
             "step_time": float(m.group(8))}
     return steps
+
+
+def assert_steps_close(got_out: str, want_out: str, steps: int, rel: float) -> None:
+    """Two runs' logged steps 1..``steps`` (their stdout) agree in loss and gradient norm within
+    ``rel``; the differences are printed (pytest -s shows them)."""
+    got, want = logged_steps(got_out), logged_steps(want_out)
+    assert sorted(got) == sorted(want) == list(range(1, steps + 1)), (got_out, want_out)
+    diffs = {(step, key): abs(got[step][key] - want[step][key]) / abs(want[step][key])
+             for step in want for key in ("loss", "grad_norm")}
+    print("relative differences from the reference run:", {k: f"{v:.1e}" for k, v in diffs.items()})
+    worst = max(diffs, key=diffs.get)
+    assert diffs[worst] < rel, f"step {worst[0]} {worst[1]}: {got[worst[0]][worst[1]]} vs {want[worst[0]][worst[1]]}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -188,3 +232,53 @@ def make_routing(T: int, K: int, E: int, kind: str, device=DEVICE) -> tuple[torc
         raise ValueError(kind)
     weights = torch.randn(T, K, device=device).softmax(dim=-1)
     return ids.contiguous(), weights
+
+
+def _backend_routing(kind: str, T: int, E: int, K: int, gen: torch.Generator) -> torch.Tensor:
+    """topk_ids (T, K) with distinct experts per token, shaped by ``kind``."""
+    if kind == "random":
+        return torch.rand(T, E, generator=gen).argsort(dim=-1)[:, :K]
+    if kind == "one_expert_empty":  # expert 0 never chosen
+        return 1 + torch.rand(T, E - 1, generator=gen).argsort(dim=-1)[:, :K]
+    if kind == "all_on_first":  # every token's first choice is expert 0, the rest random
+        rest = 1 + torch.rand(T, E - 1, generator=gen).argsort(dim=-1)[:, : K - 1]
+        return torch.cat([torch.zeros(T, 1, dtype=torch.long), rest], dim=1)
+    if kind == "with_empty_slots":  # expert parallelism's padding: some slots are -1
+        ids = torch.rand(T, E, generator=gen).argsort(dim=-1)[:, :K]
+        return torch.where(torch.rand(T, K, generator=gen) < 0.3, -1, ids)
+    raise ValueError(kind)
+
+
+def make_inputs(T, D, F, E, K, kind, dtype=torch.float32, seed=None):
+    """(x, topk_ids, topk_weights, w1, w3, w2) on the CPU from one generator (``seed``, else a fresh one)."""
+    gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    x = torch.randn(T, D, generator=gen, dtype=dtype)
+    ids = _backend_routing(kind, T, E, K, gen)
+    w = torch.rand(T, K, generator=gen, dtype=torch.float32) + 0.1
+    w1 = torch.randn(E, F, D, generator=gen, dtype=dtype) / D**0.5
+    w3 = torch.randn(E, F, D, generator=gen, dtype=dtype) / D**0.5
+    w2 = torch.randn(E, D, F, generator=gen, dtype=dtype) / F**0.5
+    return x, ids, w, w1, w3, w2
+
+
+def run_with_grads(fn, x, ids, w, w1, w3, w2, dy, dtype):
+    """Runs fn with x and the expert weights in ``dtype`` (routing weights stay float32, as the
+    router makes them, unless dtype is float64) and returns (y, [dx, dweights, dw1, dw3, dw2])."""
+    x_, w1_, w3_, w2_ = (t.detach().to(dtype).requires_grad_() for t in (x, w1, w3, w2))
+    w_ = w.detach().to(torch.float64 if dtype == torch.float64 else torch.float32).requires_grad_()
+    y = fn(x_, ids, w_, w1_, w3_, w2_)
+    y.backward(dy.to(y.dtype))
+    return y.detach(), [t.grad for t in (x_, w_, w1_, w3_, w2_)]
+
+
+MOE_CASES = [
+    # T, D, F, E, K, routing (make_inputs' kinds)
+    (33, 16, 24, 4, 2, "random"),
+    (17, 16, 24, 8, 1, "random"),  # top-1
+    (9, 16, 24, 8, 8, "random"),  # top-8 = every expert
+    (20, 16, 24, 6, 2, "one_expert_empty"),
+    (15, 16, 24, 5, 2, "all_on_first"),
+    (1, 16, 24, 4, 2, "random"),  # a single token
+    (25, 16, 24, 4, 2, "with_empty_slots"),
+    (12, 16, 24, 4, 1, "with_empty_slots"),
+]
