@@ -258,7 +258,7 @@ def test_variants_are_ours_mega_plus_their_arguments(tmp_path):
 
 
 def test_several_gpus_run_under_torchrun_with_ep(tmp_path):
-    """Issue 8's setting: every run is torchrun with --gpus processes, EP --ep in both trainers."""
+    """The multi-GPU setting: every run is torchrun with --gpus processes, EP --ep in both trainers."""
     from components.config import parse_args
 
     setting = compare.Setting("qwen3_30b_a3b", 48, 16384, 20, tmp_path, gpus=8, ep=8)

@@ -170,7 +170,7 @@ class _Node:
 
 @pytest.mark.unit
 def test_sink_after_waits_puts_each_chunks_combine_under_the_next_chunks_experts():
-    """The order sink_waits gave the trainer's forward (2 chunks, session 10): chunk 0's combine was
+    """The order sink_waits gave the trainer's forward (2 chunks): chunk 0's combine was
     awaited and reduced before chunk 1's experts. _sink_after_waits keeps the collectives' places and
     moves each wait and its readers down to their first anchored reader."""
     nodes = [_Node("d0", "x"), _Node("d1", "x"), _Node("wd0", "d0"), _Node("e0", "wd0", "w"), _Node("c0", "e0"),
