@@ -62,8 +62,7 @@ def check_implemented(cfg: JobConfig) -> None:
     if name == "mega_fp8" and on_gpu:
         # Correct on the H200 (its GPU tests pass) but slower than bf16 there: say so at start.
         print("warning: [quantize] moe = \"fp8_blockwise\" (the FP8 mega kernels) is correct but still slower "
-              "than bf16 mega on the H200 (whole op 9.8 vs 8.7 ms at the 30B shape with cached weights; "
-              "tokens/s 4% under bf16 experts at the 30B proxy, BENCHMARKS.md); for speed use "
+              "than bf16 mega on the H200 (BENCHMARKS.md, docs/fp8.md); for speed use "
               "[quantize] moe = \"none\"",
               file=sys.stderr, flush=True)
 

@@ -96,8 +96,8 @@ def compiled_backend(name: str):
     """The backend compiled for the current case, shapes static (``main`` clears the cache per case).
 
     Training compiles static shapes (fixed seq len). One compiled function reused across cases
-    would recompile dynamic after the first new T (dynamo's automatic dynamic shapes), and that
-    cost compiled ``grouped_mm`` 24% at 235B (37.8 ms vs 30.0-30.5 ms static)."""
+    would recompile dynamic after the first new T (dynamo's automatic dynamic shapes), which reads
+    slower than the static compile the trainer runs (BENCHMARKS.md)."""
     if name not in _COMPILED:
         _COMPILED[name] = torch.compile(get_moe_backend(name), fullgraph=True, dynamic=False)
     return _COMPILED[name]

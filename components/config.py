@@ -48,7 +48,7 @@ class Model:
     tokenizer_path: str = _field("assets/tokenizer/tokenizer.model", "sentencepiece .model file, Hugging Face "
                                  "tokenizer.json, or a folder holding one (e.g. a downloaded Qwen3 release)")
     attention_backend: str = _field("auto", "SDPA kernel preference: auto lets SDPA choose (cuDNN on the H200 with "
-                                    "torch 2.11, 1.7x faster than flash at seq len 16384)",
+                                    "torch 2.11, faster than flash at seq len 16384: BENCHMARKS.md)",
                                     choices=("auto", "cudnn", "flash", "math"))
 
 

@@ -1,12 +1,13 @@
 """AdamW's update as one Triton pass per parameter tensor, and the optimizer that runs it
 (``[optimizer] implementation = "triton"``).
 
-Why: the optimizer is ~15% of the one-GPU proxy step (3.11 B float32 parameters). torch's fused AdamW moves 28 bytes per parameter (read parameter,
+Why: the optimizer is a large part of the one-GPU proxy step (3.11 B float32 parameters, BENCHMARKS.md).
+torch's fused AdamW moves 28 bytes per parameter (read parameter,
 gradient, both moments; write parameter and moments) and, when it is given a ``grad_scale`` (how
 the trainer folds gradient clipping into the step), also writes the unscaled gradient back: 32
 bytes. This kernel reads the scale and never writes the gradient: 28 bytes, each tensor streamed
-once with 16-byte accesses. At the 4-layer 30B proxy that is 87 GB per step, ~21 ms at the
-H200's 4.1 TB/s copy rate (figures in BENCHMARKS.md).
+once with 16-byte accesses. Counted, not measured: 87 GB per step at the 4-layer 30B proxy, ~21
+ms at the 4.1 TB/s device-to-device copy rate measured on the H200.
 
 The math is torch's AdamW (decoupled weight decay, bias-corrected moments), in float32:
 

@@ -11,7 +11,7 @@ With g, u the gate/up halves of H (saved by the forward, expert-sorted rows r, s
 
 In these Triton kernels dy and x rows are gathered by token index inside the loads. s * A for dW2 is
 written by the dH epilogue (an N x F buffer alive only during the backward): rebuilding it inside
-the dW2 loads would recompute the SwiGLU once per D-tile, which made dW2 2.3x slower on the H200.
+the dW2 loads would recompute the SwiGLU once per D-tile, which was slower on the H200.
 
 The weight-gradient kernels are grouped GEMMs whose reduction runs over the variable row range of
 one expert: a grid of E * m_tiles * n_tiles programs, expert slowest; an expert with no rows

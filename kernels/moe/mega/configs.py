@@ -63,12 +63,11 @@ class MegaMoEConfigs:
 
 
 # Best of the sweeps in bench/mega_moe_gpu.py on one H200 (torch 2.11, triton 3.6); the same configs
-# won (or were within 5%) at both target shapes. dh needs its epilogue split in column halves to
-# run a 128x128 tile without spilling (1.9 -> 1.3 ms at 30B); four operand tiles per pipeline
+# won (or were within 5%) at both target shapes (figures in docs/mega_moe.md). dh needs its epilogue
+# split in column halves to run a 128x128 tile without spilling; four operand tiles per pipeline
 # stage (dx) need block_k 32 to fit 3 stages in the 227 KiB of shared memory. A persistent grid
-# helps only the down GEMM (0.86 vs 1.02 ms alone at 30B; the flattened tile loop made gate_up, dh
-# and dx slower, dh 2.6x). The cuBLAS backward (grouped_mm_backward) beat the Triton dh, dx and
-# weight-gradient kernels for bf16 (whole op 10.08 -> 8.6 ms at 30B, 36.4 -> 30.1 ms at 235B); the
+# helps only the down GEMM (the flattened tile loop made gate_up, dh and dx slower). The cuBLAS
+# backward (grouped_mm_backward) beat the Triton dh, dx and weight-gradient kernels for bf16; the
 # dh, dx, dw13 and dw2 tiles are kept for fp32, which those kernels compute.
 _GPU_DEFAULT = MegaMoEConfigs(
     gate_up=TileConfig(128, 128, 64, 8, 4),
