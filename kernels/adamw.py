@@ -2,11 +2,12 @@
 (``[optimizer] implementation = "triton"``).
 
 Why: the optimizer is a large part of the one-GPU proxy step (3.11 B float32 parameters,
-BENCHMARKS.md). torch's fused AdamW moves 28 bytes per parameter (read parameter, gradient, both moments; write parameter and moments) and, when it is given a ``grad_scale`` (how
-the trainer folds gradient clipping into the step), also writes the unscaled gradient back: 32
-bytes. This kernel reads the scale and never writes the gradient: 28 bytes, each tensor streamed
-once with 16-byte accesses. Counted, not measured: 87 GB per step at the 4-layer 30B proxy, ~21
-ms at the 4.1 TB/s device-to-device copy rate measured on the H200.
+BENCHMARKS.md). torch's fused AdamW moves 28 bytes per parameter (read parameter, gradient, both
+moments; write parameter and moments) and, when it is given a ``grad_scale`` (how the trainer folds
+gradient clipping into the step), also writes the unscaled gradient back: 32 bytes. This kernel
+reads the scale and never writes the gradient: 28 bytes, each tensor streamed once with 16-byte
+accesses. Counted, not measured: 87 GB per step at the 4-layer 30B proxy, ~21 ms at the 4.1 TB/s
+device-to-device copy rate measured on the H200.
 
 The math is torch's AdamW (decoupled weight decay, bias-corrected moments), in float32:
 
