@@ -49,7 +49,7 @@ from kernels.fp8.blockwise import (
     scale_from_amax,
     to_e4m3_bits,
 )
-from kernels.triton_utils import cast_out, expert_tile, tile_rows
+from kernels.triton_utils import cast_out, expert_tile, m_tile_rows, n_tile_cols
 from kernels.moe.routing import max_tiles, tile_table
 
 
@@ -86,10 +86,8 @@ def _m_tile(table_ptr, offsets_ptr, num_tiles, N, BLOCK_M: tl.constexpr, BLOCK_N
     M-tile (of the tile table) and N-tile it computes, N-tile fastest."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
-    expert, rows, rmask, safe_rows = tile_rows(table_ptr, offsets_ptr, num_tiles, pid_m, BLOCK_M)
-    return pid_m, pid_n, expert, rows, rmask, safe_rows
+    pid_n, expert, rows, rmask, safe_rows = m_tile_rows(pid, num_n, table_ptr, offsets_ptr, num_tiles, BLOCK_M)
+    return pid // num_n, pid_n, expert, rows, rmask, safe_rows
 
 
 @triton.jit
@@ -99,9 +97,7 @@ def _n_tile(expert, pid_n, N, K, BLOCK_N: tl.constexpr):
     KB = tl.cdiv(K, 128)
     NB = tl.cdiv(N, 128)
     e64 = expert.to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_n_ld = offs_n % N
-    offs_k = tl.arange(0, 128)
+    offs_n, offs_n_ld, offs_k = n_tile_cols(pid_n, N, BLOCK_N, 128)
     return KB, NB, e64, offs_n, offs_n_ld, offs_k
 
 
