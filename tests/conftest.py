@@ -44,6 +44,7 @@ MODULE_TIERS = {
     "test_fp8_parity": "kernels",
     "test_grouped_mm_fp8": "kernels",
     "test_hf": "unit",
+    "test_hopper_gemm": "kernels",
     "test_loss": "unit",
     "test_mega_moe": "kernels",
     "test_mega_moe_fp8": "kernels",
