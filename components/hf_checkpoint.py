@@ -470,12 +470,13 @@ def save_hf_weights(model: nn.Module, folder: str | Path, dtype: torch.dtype = t
         name = _hf_name(key)
         if name is None:
             continue
-        t = t.to(dtype)  # a DTensor casts its local shard only
+        # A DTensor casts its local shard only; an expert's cast is a tensor of its own, which the
+        # writer would otherwise copy out of the stacked storage.
         if "{j}" in name:
-            sources.update((name.format(j=j), view) for j, view in _expert_views(t))
+            sources.update((name.format(j=j), view.to(dtype)) for j, view in _expert_views(t))
             nbytes.update((name.format(j=j), math.prod(t.shape[1:]) * itemsize) for j in range(t.shape[0]))
         else:
-            sources[name] = t
+            sources[name] = t.to(dtype)
             nbytes[name] = t.numel() * itemsize
     file_of, n = _file_indices(nbytes, max_shard_bytes)
     distributed = torch.distributed.is_initialized()

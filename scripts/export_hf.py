@@ -39,7 +39,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from components.checkpoint import model_identity  # noqa: E402
 from components.config import ConfigError, parse_args  # noqa: E402
-from components.hf_checkpoint import INDEX_FILE, HFCheckpointError, save_hf_weights, single_process_dcp  # noqa: E402,E501
+from components.hf_checkpoint import (INDEX_FILE, HFCheckpointError, save_hf_weights,  # noqa: E402
+                                      single_process_dcp)
 from models.qwen3.args import get_model_args  # noqa: E402
 from models.qwen3.model import Qwen3MoE  # noqa: E402
 from parallelisms.parallel_dims import build_parallel_dims  # noqa: E402

@@ -197,7 +197,8 @@ class _CountingSlice:
 
 def test_tied_checkpoint_and_stray_files(hf_folder, tmp_path):
     """A folder without lm_head.weight (tied embeddings) loads the embedding as the output
-    projection; a safetensors file outside the index is refused (the reader would read it too)."""
+    projection; a safetensors file outside the index is refused (the reader would read it too),
+    and so is a truncated one, from its header, before anything is read."""
     from safetensors.torch import save_file
 
     folder, _ = hf_folder
@@ -210,6 +211,10 @@ def test_tied_checkpoint_and_stray_files(hf_folder, tmp_path):
     assert torch.equal(model.layers["1"].moe.experts.w2[3], sd["model.layers.1.mlp.experts.3.down_proj.weight"])
     save_file({"x": torch.zeros(1)}, str(tmp_path / "extra.safetensors"))
     with pytest.raises(HFCheckpointError, match=r"extra.safetensors not part of the model .* move them out"):
+        load_hf_weights(model, tmp_path)
+    (tmp_path / "extra.safetensors").unlink()
+    os.truncate(tmp_path / "model.safetensors", (tmp_path / "model.safetensors").stat().st_size - 100)
+    with pytest.raises(HFCheckpointError, match=r"model.safetensors is not a readable safetensors file: .*not fully"):
         load_hf_weights(model, tmp_path)
 
 
@@ -253,8 +258,11 @@ def _load_and_export_job(rank: int, world: int, hf_dir: str, dump_folder: str, o
     starts from the HF folder (the per-rank path, counting the bytes each rank reads from the
     safetensors files); the same folder through the rank-0 path; then a sharded checkpoint of it
     exported by scripts/export_hf.py on all ranks. Rank 0 returns both loads gathered back and
-    every rank's bytes read."""
+    every rank's bytes read and written."""
+    from pathlib import Path
+
     import safetensors
+    import safetensors.torch
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -275,18 +283,28 @@ def _load_and_export_job(rank: int, world: int, hf_dir: str, dump_folder: str, o
     finally:
         safetensors.safe_open = real_open
     per_rank = full_state(trainer.model)
-    read = [None] * world
-    dist.all_gather_object(read, counter[0])
     with torch.no_grad():
         for p in trainer.model.parameters():
             (p.to_local() if isinstance(p, DTensor) else p).zero_()
-    _load_through_rank0(trainer.model, __import__("pathlib").Path(hf_dir), trainer.model.args)
+    _load_through_rank0(trainer.model, Path(hf_dir), trainer.model.args)
     rank0 = full_state(trainer.model)
     trainer.checkpoint.save(1)
-    load_script("export_hf").export(f"{dump_folder}/checkpoint/step-1", out_dir, layout, torch.float32)
+    written, real_save = [0], safetensors.torch.save
+
+    def counting_save(tensors, *args, **kwargs):  # what DCP's writer serializes on this rank
+        written[0] += sum(t.nbytes for t in tensors.values())
+        return real_save(tensors, *args, **kwargs)
+
+    safetensors.torch.save = counting_save
+    try:
+        load_script("export_hf").export(f"{dump_folder}/checkpoint/step-1", out_dir, layout, torch.float32)
+    finally:
+        safetensors.torch.save = real_save
+    counts = [None] * world
+    dist.all_gather_object(counts, (counter[0], written[0]))
     # Many output files: each rank assembles some of them.
     paths = save_hf_weights(trainer.model, f"{out_dir}-many", dtype=torch.float32, max_shard_bytes=1_000_000)
-    return {"per_rank": per_rank, "rank0": rank0, "read": read, "paths": paths} if rank == 0 else None
+    return {"per_rank": per_rank, "rank0": rank0, "counts": counts, "paths": paths} if rank == 0 else None
 
 
 @pytest.mark.integration
@@ -295,7 +313,7 @@ def _load_and_export_job(rank: int, world: int, hf_dir: str, dump_folder: str, o
 def test_per_rank_load_and_sharded_export(world, tmp_path):
     """2 ranks (EP 2) and 4 (EP 2 x expert-FSDP 2; FSDP 4 for the rest): each rank reads its share
     of the safetensors bytes and nothing twice, the weights are exactly the rank-0 path's, and the
-    sharded export writes exactly those weights (mode 0644 under umask 022)."""
+    sharded export writes exactly those weights, each rank its share (mode 0644 under umask 022)."""
     from components.config import parse_args
     from components.hf_checkpoint import titan_to_hf
     from tests.utils import run_job
@@ -316,9 +334,11 @@ def test_per_rank_load_and_sharded_export(world, tmp_path):
     # Every tensor of the debug model splits evenly over the ranks (experts: E / ep x F / (world / ep);
     # the rest: dim 0 / world), so each rank reads exactly 1/world of the bytes; the rank-0 path reads
     # them all on rank 0. The sum shows that no slice is read twice.
+    read, written = zip(*got["counts"])
     total = sum(t.nbytes for t in read_hf_state_dict(tmp_path / "hf").values())
-    assert sum(got["read"]) == total, got["read"]
-    assert max(got["read"]) <= total / world, (got["read"], total)
+    assert sum(read) == total and max(read) <= total / world, (read, total)
+    # The sharded export likewise: each rank serializes its own shards (float32: twice the bytes).
+    assert sum(written) == 2 * total and max(written) <= 2 * total / world, (written, total)
     expected = titan_to_hf(want)
     assert len(got["paths"]) > world
     for out in (tmp_path / "out", tmp_path / "out-many"):
