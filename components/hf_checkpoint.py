@@ -460,6 +460,7 @@ def save_hf_weights(model: nn.Module, folder: str | Path, dtype: torch.dtype = t
     writes its own shards under ``folder/sharded`` (cast to ``dtype``), then every rank assembles
     some of the output files from them (a shared filesystem), so no rank holds the whole model.
     Returns the shard paths on rank 0."""
+    # torch's own assembly of DCP-sharded safetensors, spread over the ranks (torch 2.11 to 2.13).
     from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files_on_every_rank
 
     folder = Path(folder)
@@ -484,12 +485,11 @@ def save_hf_weights(model: nn.Module, folder: str | Path, dtype: torch.dtype = t
     if _is_main():
         folder.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)  # an interrupted export's shards would be assembled too
-    if distributed:
-        torch.distributed.barrier()
     if not distributed:
         with single_process_dcp():
             dcp.save(sources, storage_writer=HuggingFaceStorageWriter(str(folder), fqn_to_index_mapping=file_of))
     else:
+        torch.distributed.barrier()
         dcp.save(sources, storage_writer=HuggingFaceStorageWriter(str(staging), fqn_to_index_mapping=file_of,
                                                                   save_distributed=True))
         consolidate_safetensors_files_on_every_rank(str(staging), str(folder), file_of)  # ends in a barrier
