@@ -26,24 +26,37 @@ layout above; the loader accepts both, the exporter writes the per-expert one. T
 buffer of ``[moe] load_balance = "expert_bias"`` has no HF counterpart: it starts at zero on import
 and is not exported.
 
-Loading materialises the full state dict on CPU (on rank 0 only when distributed, then broadcast
-and sharded by ``set_model_state_dict``), so the host of rank 0 needs the checkpoint's size in RAM.
+Loading and saving go through torch's distributed-checkpoint Hugging Face storage
+(``HuggingFaceStorageReader`` / ``HuggingFaceStorageWriter``): each rank reads from the safetensors
+files only the slices of its own FSDP / EP shards, straight into its parameters, and on export
+writes only its shards (then every rank assembles some of the output files). Per-expert HF tensors
+map onto rows of our stacked (E, ...) expert weights: each rank names the experts it holds, one
+view of its local shard per expert. No rank holds the whole model. A folder in the fused in-memory
+layout (``gate_up_proj``) is read whole on rank 0 and broadcast instead: released checkpoints never
+use it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import re
+import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     set_model_state_dict,
 )
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from models.qwen3.args import Qwen3MoEArgs
 
@@ -207,31 +220,62 @@ def hf_to_titan(hf_sd: dict[str, torch.Tensor], args: Qwen3MoEArgs, where: str =
     return out
 
 
-def titan_to_hf(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our full state dict -> HF names, experts split per expert (the released layout)."""
+def _hf_name(key: str) -> str | None:
+    """The HF name of our state-dict entry ``key``; for stacked experts a template with ``{j}`` for
+    the expert; None for the expert-bias buffer (no HF counterpart)."""
     top = {v: k for k, v in _TOP_KEYS.items()}
+    if key in top:
+        return top[key]
     layer_keys = {v: k for k, v in _LAYER_KEYS.items()}
     proj = {v: k for k, v in _EXPERT_PROJ.items()}
+    _, layer, rest = key.split(".", 2)
+    if rest in layer_keys:
+        return f"model.layers.{layer}.{layer_keys[rest]}"
+    if rest.startswith("moe.experts.") and rest[len("moe.experts."):] in proj:
+        return f"model.layers.{layer}.mlp.experts.{{j}}.{proj[rest[len('moe.experts.'):]]}.weight"
+    if rest == "moe.router.expert_bias":
+        return None
+    raise HFCheckpointError(f"no Hugging Face name for parameter {key!r}")
+
+
+def titan_to_hf(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our full state dict -> HF names, experts split per expert (the released layout)."""
     out = {}
     for key, t in sd.items():
-        if key in top:
-            out[top[key]] = t
+        name = _hf_name(key)
+        if name is None:
             continue
-        _, layer, rest = key.split(".", 2)
-        if rest in layer_keys:
-            out[f"model.layers.{layer}.{layer_keys[rest]}"] = t
-        elif rest.startswith("moe.experts.") and rest[len("moe.experts."):] in proj:
-            name = proj[rest[len("moe.experts."):]]
+        if "{j}" in name:
             for j in range(t.shape[0]):
-                out[f"model.layers.{layer}.mlp.experts.{j}.{name}.weight"] = t[j]
-        elif rest == "moe.router.expert_bias":
-            continue  # no HF counterpart
+                out[name.format(j=j)] = t[j]
         else:
-            raise HFCheckpointError(f"no Hugging Face name for parameter {key!r}")
+            out[name] = t
     return out
 
 
 # --- files ---------------------------------------------------------------------------------------
+
+
+def _weight_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The safetensors files of a HF model folder (``model.safetensors.index.json``'s shards, or a
+    single ``model.safetensors``) and the index's weight map (None without an index)."""
+    if not folder.is_dir():
+        raise HFCheckpointError(f"Hugging Face model folder not found: {folder} ([checkpoint] initial_load_path)")
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise HFCheckpointError(f"{index} is not a safetensors index (no weight_map): {e}") from None
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+    elif (folder / SINGLE_FILE).is_file():
+        weight_map, files = None, [folder / SINGLE_FILE]
+    else:
+        raise HFCheckpointError(f"{folder} holds neither {INDEX_FILE} nor {SINGLE_FILE}")
+    for path in files:
+        if not path.is_file():
+            raise HFCheckpointError(f"{path}, listed in {INDEX_FILE}, is missing")
+    return files, weight_map
 
 
 def read_hf_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
@@ -241,45 +285,115 @@ def read_hf_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     folder = Path(folder)
-    if not folder.is_dir():
-        raise HFCheckpointError(f"Hugging Face model folder not found: {folder} ([checkpoint] initial_load_path)")
-    index = folder / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise HFCheckpointError(f"{index} is not a safetensors index (no weight_map): {e}") from None
-        files = sorted(set(weight_map.values()))
-    elif (folder / SINGLE_FILE).is_file():
-        weight_map, files = None, [SINGLE_FILE]
-    else:
-        raise HFCheckpointError(f"{folder} holds neither {INDEX_FILE} nor {SINGLE_FILE}")
+    files, weight_map = _weight_files(folder)
     sd: dict[str, torch.Tensor] = {}
-    for name in files:
-        path = folder / name
-        if not path.is_file():
-            raise HFCheckpointError(f"{path}, listed in {INDEX_FILE}, is missing")
+    for path in files:
         try:
             sd.update(load_file(str(path)))
         except (SafetensorError, OSError) as e:
             raise HFCheckpointError(f"{path} is not a readable safetensors file: {e}") from None
     if weight_map is not None and set(weight_map) != set(sd):
         missing = sorted(set(weight_map) - set(sd))[:5]
-        raise HFCheckpointError(f"{index}: tensors listed but not found in the shards: {missing}")
+        raise HFCheckpointError(f"{folder / INDEX_FILE}: tensors listed but not found in the shards: {missing}")
     return sd
+
+
+def read_hf_shapes(folder: str | Path) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor of a HF model folder, from the safetensors headers alone."""
+    from safetensors import SafetensorError, safe_open
+
+    folder = Path(folder)
+    files, weight_map = _weight_files(folder)
+    # The storage reader reads every *.safetensors file in the folder, listed or not.
+    stray = sorted(p.name for p in folder.glob("*.safetensors") if p not in files)
+    if stray:
+        raise HFCheckpointError(f"{folder}: {', '.join(stray[:4])} not part of the model (not in {INDEX_FILE}); "
+                                f"move them out of the folder")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    if key in shapes:
+                        raise HFCheckpointError(f"{folder}: tensor {key} is stored twice (again in {path.name})")
+                    shapes[key] = tuple(f.get_slice(key).get_shape())
+        except (SafetensorError, OSError) as e:
+            raise HFCheckpointError(f"{path} is not a readable safetensors file: {e}") from None
+    if weight_map is not None and not set(weight_map) <= set(shapes):
+        missing = sorted(set(weight_map) - set(shapes))[:5]
+        raise HFCheckpointError(f"{folder / INDEX_FILE}: tensors listed but not found in the shards: {missing}")
+    return shapes
+
+
+@contextlib.contextmanager
+def single_process_dcp():
+    """Without a process group DCP warns that it assumes one process, which is what is meant here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _is_main() -> bool:
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
+def _expert_views(t: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """(expert j, destination) for each expert of the stacked expert weight ``t`` (E, X, Y) that
+    this rank holds rows of: views of the local shard, as DTensors of the global (X, Y) where the
+    rank holds part of an expert's matrix (expert-FSDP under EP shards dim 1)."""
+    if not isinstance(t, DTensor):
+        return [(j, t[j]) for j in range(t.shape[0])]
+    local = t.to_local()
+    [chunk] = t.__create_chunk_list__()  # this rank's block of the global tensor, as DCP sees it
+    whole = tuple(chunk.sizes[1:]) == tuple(t.shape[1:])
+    # Mesh dims that split the experts hand each rank other keys; for one expert's matrix they repeat.
+    placements = [Replicate() if isinstance(p, Shard) and p.dim == 0 else Shard(p.dim - 1) if isinstance(p, Shard)
+                  else p for p in t.placements]
+    shape = torch.Size(t.shape[1:])
+    stride = torch.empty(shape, device="meta").stride()
+    views = []
+    for k in range(chunk.sizes[0]):
+        view = local[k]
+        if not whole:
+            view = DTensor.from_local(view, t.device_mesh, placements, run_check=False, shape=shape, stride=stride)
+        views.append((chunk.offsets[0] + k, view))
+    return views
+
+
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, folder: str | Path) -> None:
     """Load a HF Qwen3-MoE folder into ``model`` (plain, FSDP- or EP-sharded). Checks the folder's
-    config.json against ``model.args`` first. Collective when distributed: call on every rank."""
+    config.json against ``model.args`` and the tensors' names and shapes against the model first.
+    Each rank reads only the slices of its own shards. Collective when distributed: call on every rank."""
     folder = Path(folder)
     args: Qwen3MoEArgs = model.args
     check_hf_config(read_hf_config(folder), args, where=str(folder / "config.json"))
+    shapes = read_hf_shapes(folder)  # every rank reads the same headers, so every rank raises alike
+    if any(_FUSED_KEY.match(k) for k in shapes):
+        _load_through_rank0(model, folder, args)
+        return
+    meta = {k: torch.empty(shape, device="meta") for k, shape in shapes.items()}
+    _check_against_model(hf_to_titan(meta, args, where=str(folder)), model, folder, args)
+    targets: dict[str, torch.Tensor] = {}
+    tied = None
+    for key, t in get_model_state_dict(model).items():
+        name = _hf_name(key)
+        if name is None:  # the expert-bias buffer has no HF counterpart: it starts at zero
+            (t.to_local() if isinstance(t, DTensor) else t).zero_()
+        elif "{j}" in name:
+            targets.update((name.format(j=j), view) for j, view in _expert_views(t))
+        elif name == "lm_head.weight" and name not in shapes:
+            tied = t
+        else:
+            targets[name] = t
+    with single_process_dcp():
+        dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(folder)))
+        if tied is not None:  # a tied checkpoint: the output projection is the embedding
+            dcp.load({"model.embed_tokens.weight": tied}, storage_reader=HuggingFaceStorageReader(str(folder)))
+
+
+def _load_through_rank0(model: nn.Module, folder: Path, args: Qwen3MoEArgs) -> None:
+    """Rank 0 reads the whole folder and the weights are broadcast and sharded (the fused layout)."""
     distributed = torch.distributed.is_initialized()
     full: dict[str, torch.Tensor] = {}
     error = None
@@ -300,6 +414,16 @@ def load_hf_weights(model: nn.Module, folder: str | Path) -> None:
 
 def _read_full_state(model: nn.Module, folder: Path, args: Qwen3MoEArgs) -> dict[str, torch.Tensor]:
     full = hf_to_titan(read_hf_state_dict(folder), args, where=str(folder))
+    expected = _check_against_model(full, model, folder, args)
+    for key, (_, dtype) in expected.items():
+        full[key] = full[key].to(dtype)  # e.g. released bf16 -> float32 master weights
+    return full
+
+
+def _check_against_model(full: dict[str, torch.Tensor], model: nn.Module, folder: Path, args: Qwen3MoEArgs
+                         ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Refuse tensors the model lacks, misses or holds in another shape (``full``: our names, any
+    device, meta included); adds the zero expert bias. Returns the model's shapes and dtypes."""
     # The model's own state dict names every tensor it needs (shapes global, nothing gathered).
     expected = _model_keys_and_dtypes(model)
     for key in expected:
@@ -309,11 +433,14 @@ def _read_full_state(model: nn.Module, folder: Path, args: Qwen3MoEArgs) -> dict
     if missing:
         raise HFCheckpointError(f"{folder}: tensors missing for {', '.join(missing[:8])}"
                                 + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
-    for key, (shape, dtype) in expected.items():
+    extra = sorted(set(full) - set(expected))
+    if extra:
+        raise HFCheckpointError(f"{folder}: tensors this model has no place for (as {', '.join(extra[:8])})"
+                                + (f" and {len(extra) - 8} more" if len(extra) > 8 else ""))
+    for key, (shape, _) in expected.items():
         if tuple(full[key].shape) != shape:
             raise HFCheckpointError(f"{folder}: {key} has shape {tuple(full[key].shape)}, the model needs {shape}")
-        full[key] = full[key].to(dtype)  # e.g. released bf16 -> float32 master weights
-    return full
+    return expected
 
 
 def _model_keys_and_dtypes(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -329,37 +456,62 @@ def _model_keys_and_dtypes(model: nn.Module) -> dict[str, tuple[tuple[int, ...],
 def save_hf_weights(model: nn.Module, folder: str | Path, dtype: torch.dtype = torch.bfloat16,
                     max_shard_bytes: int = 5 * 2**30) -> list[Path]:
     """Write ``model`` as a HF Qwen3-MoE folder: ``model-0000i-of-0000n.safetensors`` shards,
-    ``model.safetensors.index.json`` and ``config.json``. Collective when distributed (the full
-    state dict is gathered to rank 0 on CPU, which writes); returns the shard paths on rank 0."""
-    from safetensors.torch import save_file
+    ``model.safetensors.index.json`` and ``config.json``. Collective when distributed: each rank
+    writes its own shards under ``folder/sharded`` (cast to ``dtype``), then every rank assembles
+    some of the output files from them (a shared filesystem), so no rank holds the whole model.
+    Returns the shard paths on rank 0."""
+    # torch's own assembly of DCP-sharded safetensors, spread over the ranks (torch 2.11 to 2.13).
+    from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files_on_every_rank
 
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    folder = Path(folder)
+    sources: dict[str, torch.Tensor] = {}
+    nbytes: dict[str, int] = {}  # of every HF tensor, held here or not
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    for key, t in get_model_state_dict(model).items():
+        name = _hf_name(key)
+        if name is None:
+            continue
+        # A DTensor casts its local shard only; an expert's cast is a tensor of its own, which the
+        # writer would otherwise copy out of the stacked storage.
+        if "{j}" in name:
+            sources.update((name.format(j=j), view.to(dtype)) for j, view in _expert_views(t))
+            nbytes.update((name.format(j=j), math.prod(t.shape[1:]) * itemsize) for j in range(t.shape[0]))
+        else:
+            sources[name] = t.to(dtype)
+            nbytes[name] = t.numel() * itemsize
+    file_of, n = _file_indices(nbytes, max_shard_bytes)
+    distributed = torch.distributed.is_initialized()
+    staging = folder / "sharded"
+    if _is_main():
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)  # an interrupted export's shards would be assembled too
+    if not distributed:
+        with single_process_dcp():
+            dcp.save(sources, storage_writer=HuggingFaceStorageWriter(str(folder), fqn_to_index_mapping=file_of))
+    else:
+        torch.distributed.barrier()
+        dcp.save(sources, storage_writer=HuggingFaceStorageWriter(str(staging), fqn_to_index_mapping=file_of,
+                                                                  save_distributed=True))
+        consolidate_safetensors_files_on_every_rank(str(staging), str(folder), file_of)  # ends in a barrier
+        if _is_main():
+            shutil.rmtree(staging)
     if not _is_main():
         return []
-    hf = {k: v.to(dtype).contiguous() for k, v in titan_to_hf(sd).items()}
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key in sorted(hf, key=_hf_sort_key):  # layer by layer, so a shard holds whole layers where it can
-        nbytes = hf[key].numel() * hf[key].element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][key] = hf[key]
-        size += nbytes
-    n = len(shards)
-    weight_map, paths = {}, []
-    for i, shard in enumerate(shards, 1):
-        name = f"model-{i:05d}-of-{n:05d}.safetensors"
-        save_file(shard, str(folder / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in shard})
-        paths.append(folder / name)
-    total = sum(t.numel() * t.element_size() for t in hf.values())
-    (folder / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                                indent=2, sort_keys=True))
     (folder / "config.json").write_text(json.dumps(args_to_hf_config(model.args, dtype), indent=2))
-    return paths
+    return [folder / f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+
+
+def _file_indices(nbytes: dict[str, int], max_shard_bytes: int) -> tuple[dict[str, int], int]:
+    """The output file (1..n) of each HF tensor: layer by layer, so a file holds whole layers where
+    it can, and no file over ``max_shard_bytes`` unless one tensor is."""
+    file_of: dict[str, int] = {}
+    index, size = 1, 0
+    for key in sorted(nbytes, key=_hf_sort_key):
+        if size and size + nbytes[key] > max_shard_bytes:
+            index, size = index + 1, 0
+        file_of[key] = index
+        size += nbytes[key]
+    return file_of, index
 
 
 def _hf_sort_key(key: str) -> tuple:

@@ -4,6 +4,7 @@ random config built here (nothing is downloaded)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -161,29 +162,160 @@ def test_bad_folders(hf_folder, tmp_path):
         load_hf_weights(model, tmp_path)
 
 
-def _load_job(rank: int, world: int, hf_dir: str, dump_folder: str) -> dict | None:
-    """Every rank of the gloo pool (tests/multiprocess.py) loads the HF folder into an EP 2 trainer;
-    rank 0 returns the full state gathered back."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+class _CountingFile:
+    """A ``safe_open`` handle that adds the bytes of every tensor slice read through it to ``counter``."""
+
+    def __init__(self, f, counter: list[int]):
+        self.f, self.counter = f, counter
+
+    def __enter__(self):
+        self.f.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.f.__exit__(*exc)
+
+    def get_slice(self, key):
+        return _CountingSlice(self.f.get_slice(key), self.counter)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+class _CountingSlice:
+    def __init__(self, s, counter: list[int]):
+        self.s, self.counter = s, counter
+
+    def __getitem__(self, index):
+        t = self.s[index]
+        self.counter[0] += t.nbytes
+        return t
+
+    def __getattr__(self, name):
+        return getattr(self.s, name)
+
+
+def test_tied_checkpoint_and_stray_files(hf_folder, tmp_path):
+    """A folder without lm_head.weight (tied embeddings) loads the embedding as the output
+    projection; a safetensors file outside the index is refused (the reader would read it too),
+    and so is a truncated one, from its header, before anything is read."""
+    from safetensors.torch import save_file
+
+    folder, _ = hf_folder
+    sd = read_hf_state_dict(folder)
+    save_file({k: v for k, v in sd.items() if k != "lm_head.weight"}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    model = our_model(read_hf_config(folder))
+    load_hf_weights(model, tmp_path)
+    assert torch.equal(model.output.weight, sd["model.embed_tokens.weight"])
+    assert torch.equal(model.layers["1"].moe.experts.w2[3], sd["model.layers.1.mlp.experts.3.down_proj.weight"])
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "extra.safetensors"))
+    with pytest.raises(HFCheckpointError, match=r"extra.safetensors not part of the model .* move them out"):
+        load_hf_weights(model, tmp_path)
+    (tmp_path / "extra.safetensors").unlink()
+    os.truncate(tmp_path / "model.safetensors", (tmp_path / "model.safetensors").stat().st_size - 100)
+    with pytest.raises(HFCheckpointError, match=r"model.safetensors is not a readable safetensors file: .*not fully"):
+        load_hf_weights(model, tmp_path)
+
+
+def test_export_script_refuses_to_overwrite(tmp_path):
+    """scripts/export_hf.py writes into a new folder (files 0644 under umask 022, not 0600); a
+    folder with files is refused with one line unless --overwrite, which replaces the previous
+    export's files and keeps the others."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from components.hf_checkpoint import single_process_dcp
+    from tests.utils import debug_model, load_script
+
+    model = debug_model(n_layers=1)
+    with single_process_dcp():
+        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(tmp_path / "step-1"))
+    export_hf = load_script("export_hf")
+    argv = ["--checkpoint", str(tmp_path / "step-1"), "--out", str(tmp_path / "out"), "--dtype", "float32",
+            "--config", "train_configs/debug_model.toml", "--model.n_layers", "1"]
+    assert export_hf.main(argv) == 0
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "out").iterdir()}
+    assert modes == dict.fromkeys(modes, 0o666 & ~umask) and len(modes) == 3
+    with pytest.raises(SystemExit, match=r"^error: --out .*out already holds files; pass --overwrite"):
+        export_hf.main(argv)
+    (tmp_path / "out" / "tokenizer.json").write_text("{}")
+    (tmp_path / "out" / "model-00009-of-00009.safetensors").write_bytes(b"stale")
+    assert export_hf.main(argv + ["--overwrite"]) == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json", "tokenizer.json"]
+    back = debug_model(n_layers=1, init=False)
+    back.to_empty(device="cpu")
+    load_hf_weights(back, tmp_path / "out")
+    for (name, x), (_, y) in zip(model.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(x, y), name
+
+
+def _load_and_export_job(rank: int, world: int, hf_dir: str, dump_folder: str, out_dir: str) -> dict | None:
+    """Every rank of the gloo pool (tests/multiprocess.py): an EP 2 trainer (x FSDP 2 at 4 ranks)
+    starts from the HF folder (the per-rank path, counting the bytes each rank reads from the
+    safetensors files); the same folder through the rank-0 path; then a sharded checkpoint of it
+    exported by scripts/export_hf.py on all ranks. Rank 0 returns both loads gathered back and
+    every rank's bytes read and written."""
+    from pathlib import Path
+
+    import safetensors
+    import safetensors.torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
     from components.config import parse_args
+    from components.hf_checkpoint import _load_through_rank0
+    from tests.utils import full_state, load_script
     from train import Trainer
 
-    trainer = Trainer(parse_args([
-        "--config", "train_configs/debug_model.toml", "--model.n_layers", "2", "--training.seq_len", "32",
-        "--training.local_batch_size", "2", "--training.device", "cpu", "--job.dump_folder", dump_folder,
-        "--parallelism.expert_parallel_degree", "2", "--checkpoint.initial_load_path", hf_dir]))
-    assert trainer.checkpoint.maybe_load() == 0
-    sd = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k: v.clone() for k, v in sd.items()} if rank == 0 else None
+    layout = ["--config", "train_configs/debug_model.toml", "--model.n_layers", "2",
+              "--parallelism.expert_parallel_degree", "2"]
+    trainer = Trainer(parse_args([*layout, "--training.seq_len", "32", "--training.local_batch_size", "2",
+                                  "--training.device", "cpu", "--job.dump_folder", dump_folder,
+                                  "--checkpoint.enable", "--checkpoint.initial_load_path", hf_dir]))
+    counter, real_open = [0], safetensors.safe_open
+    safetensors.safe_open = lambda *a, **k: _CountingFile(real_open(*a, **k), counter)
+    try:
+        assert trainer.checkpoint.maybe_load() == 0  # [checkpoint] initial_load_format = "hf", the default
+    finally:
+        safetensors.safe_open = real_open
+    per_rank = full_state(trainer.model)
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            (p.to_local() if isinstance(p, DTensor) else p).zero_()
+    _load_through_rank0(trainer.model, Path(hf_dir), trainer.model.args)
+    rank0 = full_state(trainer.model)
+    trainer.checkpoint.save(1)
+    written, real_save = [0], safetensors.torch.save
+
+    def counting_save(tensors, *args, **kwargs):  # what DCP's writer serializes on this rank
+        written[0] += sum(t.nbytes for t in tensors.values())
+        return real_save(tensors, *args, **kwargs)
+
+    safetensors.torch.save = counting_save
+    try:
+        load_script("export_hf").export(f"{dump_folder}/checkpoint/step-1", out_dir, layout, torch.float32)
+    finally:
+        safetensors.torch.save = real_save
+    counts = [None] * world
+    dist.all_gather_object(counts, (counter[0], written[0]))
+    # Many output files: each rank assembles some of them.
+    paths = save_hf_weights(trainer.model, f"{out_dir}-many", dtype=torch.float32, max_shard_bytes=1_000_000)
+    return {"per_rank": per_rank, "rank0": rank0, "counts": counts, "paths": paths} if rank == 0 else None
 
 
 @pytest.mark.integration
 @pytest.mark.skipif(__import__("sys").platform != "linux", reason="multi-process tests use gloo on Linux")
-def test_load_into_fsdp_with_expert_parallel(tmp_path):
-    """Two ranks, FSDP over both and the experts split 2 ways (DTensors): the loaded weights,
-    gathered back, are exactly the exported ones."""
+@pytest.mark.parametrize("world", [2, 4], ids=["ep2", "ep2_x_fsdp2"])
+def test_per_rank_load_and_sharded_export(world, tmp_path):
+    """2 ranks (EP 2) and 4 (EP 2 x expert-FSDP 2; FSDP 4 for the rest): each rank reads its share
+    of the safetensors bytes and nothing twice, the weights are exactly the rank-0 path's, and the
+    sharded export writes exactly those weights, each rank its share (mode 0644 under umask 022)."""
     from components.config import parse_args
+    from components.hf_checkpoint import titan_to_hf
     from tests.utils import run_job
     from train import Trainer
 
@@ -191,9 +323,32 @@ def test_load_into_fsdp_with_expert_parallel(tmp_path):
     src = Trainer(parse_args(["--config", "train_configs/debug_model.toml", "--model.n_layers", "2",
                               "--training.seq_len", "32", "--training.seed", "11", "--training.device", "cpu",
                               "--job.dump_folder", str(tmp_path / "src")]))
-    save_hf_weights(src.model, tmp_path / "hf", dtype=torch.float32)
-    got = run_job(2, _load_job, hf_dir=str(tmp_path / "hf"), dump_folder=str(tmp_path / "out"))
-    want = src.model.state_dict()
-    assert set(got) == set(want)
+    save_hf_weights(src.model, tmp_path / "hf", dtype=torch.bfloat16)  # as released: bf16 into float32 weights
+    want = {k: v.to(torch.bfloat16).float() for k, v in src.model.state_dict().items()}
+    got = run_job(world, _load_and_export_job, hf_dir=str(tmp_path / "hf"), dump_folder=str(tmp_path / "run"),
+                  out_dir=str(tmp_path / "out"))
+    assert set(got["per_rank"]) == set(got["rank0"]) == set(want)
     for k in want:
-        assert torch.equal(got[k], want[k]), k
+        assert torch.equal(got["per_rank"][k], want[k]), k
+        assert torch.equal(got["rank0"][k], want[k]), k
+    # Every tensor of the debug model splits evenly over the ranks (experts: E / ep x F / (world / ep);
+    # the rest: dim 0 / world), so each rank reads exactly 1/world of the bytes; the rank-0 path reads
+    # them all on rank 0. The sum shows that no slice is read twice.
+    read, written = zip(*got["counts"])
+    total = sum(t.nbytes for t in read_hf_state_dict(tmp_path / "hf").values())
+    assert sum(read) == total and max(read) <= total / world, (read, total)
+    # The sharded export likewise: each rank serializes its own shards (float32: twice the bytes).
+    assert sum(written) == 2 * total and max(written) <= 2 * total / world, (written, total)
+    expected = titan_to_hf(want)
+    assert len(got["paths"]) > world
+    for out in (tmp_path / "out", tmp_path / "out-many"):
+        exported = read_hf_state_dict(out)
+        assert set(exported) == set(expected)
+        for k, v in expected.items():
+            assert torch.equal(exported[k], v), k
+        assert not (out / "sharded").exists()
+    assert sorted(p.name for p in (tmp_path / "out-many").glob("*.safetensors")) == [p.name for p in got["paths"]]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "out").iterdir()} == {
+        p.name: 0o666 & ~umask for p in (tmp_path / "out").iterdir()}
