@@ -429,7 +429,11 @@ class CheckpointManager:
         set_model_state_dict(self.model, state["model"])
 
     def _check_identity(self, path: Path) -> None:
-        saved = json.loads((path / "model.json").read_text())
+        try:
+            saved = json.loads((path / "model.json").read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"checkpoint {path}: model.json is unreadable ({_one_line(e)}); pick another "
+                                  f"checkpoint with --checkpoint.load_step") from None
         if saved != self.identity:
             diff = {k: (saved.get(k), self.identity.get(k)) for k in set(saved) | set(self.identity)
                     if saved.get(k) != self.identity.get(k)}
