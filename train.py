@@ -19,7 +19,7 @@ import time
 import numpy as np
 import torch
 
-from components.checkpoint import CheckpointError, CheckpointManager, model_identity
+from components.checkpoint import CheckpointError, CheckpointManager, check_output_folders, model_identity
 from components.compute_weights import (EXPERT_WEIGHTS, ComputeLinear, attach_to_optimizer, enable_compute_weights,
                                         expert_mode, grad_carriers, invalidate_compute_weights,
                                         refresh_compute_weights)
@@ -108,6 +108,8 @@ class Trainer:
             raise ConfigError(f"[training] global_batch_size = {global_bs} must be a multiple of local_batch_size "
                               f"({t.local_batch_size}) x data-parallel degree ({dp})")
         self.grad_accum_steps = global_bs // (t.local_batch_size * dp)
+        # An unwritable output folder or a disk too small for a checkpoint: now, not at the first save.
+        check_output_folders(cfg, count_params(self.model_args)[0])
 
         self.tokenizer = build_tokenizer(m.tokenizer_path)
         if self.tokenizer.vocab_size > self.model_args.vocab_size:

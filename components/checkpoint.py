@@ -5,7 +5,13 @@ Layout: ``<dump_folder>/<folder>/step-<N>/`` holds the DCP files of the model, o
 schedule, plus ``trainer_rank<r>.pt`` (step, dataloader state, RNG) and ``model.json`` (the model's
 shape, so a checkpoint of another model is refused with a message). A save goes to
 ``step-<N>.tmp`` and is renamed only when complete, so a crash or kill during a save leaves the
-previous checkpoint as the newest loadable one.
+previous checkpoint as the newest loadable one. ``manifest.json``, written last (after every rank's
+files exist), lists every file of the folder with its size: resume checks the sizes (a stat per
+file) and falls back from a damaged newest checkpoint to the newest intact one, with a warning
+naming the damaged folder. Sizes and not checksums: the damage a kill, a full disk or an
+interrupted copy does changes sizes, while a checksum would read every byte back after each save
+and again before each resume (a 30B model's checkpoint is about 370 GB). Checkpoints of earlier
+versions (no manifest) still load, unverified.
 
 With ``async_mode = "async"``, ``dcp.async_save`` stages the state in CPU memory and writes it in a
 background thread while training goes on; the rename that makes the checkpoint visible happens only
@@ -18,17 +24,22 @@ a DCP checkpoint) gives the starting weights; the optimizer and schedule start f
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import re
 import shutil
+import socket
+import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -37,8 +48,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from components.config import Checkpoint as CheckpointConfig
+from components.config import ConfigError, JobConfig
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+MANIFEST = "manifest.json"
+# Model weights and AdamW's two moments, all float32: the bulk of a checkpoint.
+CHECKPOINT_BYTES_PER_PARAM = 12
 
 
 class CheckpointError(RuntimeError):
@@ -58,15 +73,135 @@ def _barrier() -> None:
         torch.distributed.barrier()
 
 
+def _broadcast(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank, so all ranks act on one decision."""
+    if not torch.distributed.is_initialized():
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns at every save and load without a process group that it assumes one process: that
+    is what a single-process run means, so exactly that warning is dropped."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                                category=UserWarning)
+        yield
+
+
+def _one_line(e: BaseException) -> str:
+    """``Type: first line`` of an exception; for DCP's CheckpointException (whose text holds every
+    rank's traceback) that of the first failing rank's exception."""
+    if isinstance(e, CheckpointException) and e.failures:
+        e = next(iter(e.failures.values()))[0]
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:300] if lines else ''}".rstrip(": ")
+
+
+def check_output_folders(cfg: JobConfig, n_params: int) -> None:
+    """At start, before the model is built: every output folder the run will write (checkpoints,
+    TensorBoard, traces under ``[job] dump_folder``) can be created and written, and the
+    checkpoint folder's disk holds one checkpoint of ``n_params`` parameters (weights and AdamW
+    state in float32; with several ranks on one shared filesystem the whole checkpoint, since every
+    rank writes its share there). Raises ConfigError on every rank if any rank fails; warns (rank 0)
+    when the disk holds one checkpoint but not the ones this run keeps."""
+    dump = Path(cfg.job.dump_folder)
+    folders = {}
+    if cfg.checkpoint.enable:
+        folders[dump / cfg.checkpoint.folder] = f"[checkpoint] folder = {cfg.checkpoint.folder!r}"
+    if cfg.metrics.enable_tensorboard:
+        folders[dump / cfg.metrics.save_tb_folder] = f"[metrics] save_tb_folder = {cfg.metrics.save_tb_folder!r}"
+    if cfg.profiling.enable_profiling:
+        folders[dump / cfg.profiling.save_traces_folder] = (f"[profiling] save_traces_folder = "
+                                                            f"{cfg.profiling.save_traces_folder!r}")
+    if any(f.is_relative_to(dump) for f in folders):
+        folders = {dump: f"[job] dump_folder = {cfg.job.dump_folder!r}", **folders}
+    problem = None
+    for folder, name in folders.items():
+        probe = folder / f".write_test.{socket.gethostname()}.{os.getpid()}"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with open(probe, "x") as f:
+                f.write("x")
+            probe.unlink()
+        except OSError as e:
+            problem = (f"{name} cannot be written ({type(e).__name__}: {e.strerror or e}: {folder}); choose a "
+                       f"folder this user can write")
+            break
+    warning = None
+    if problem is None and cfg.checkpoint.enable:
+        ckpt = dump / cfg.checkpoint.folder
+        usage = shutil.disk_usage(ckpt)
+        one = n_params * CHECKPOINT_BYTES_PER_PARAM
+        c = cfg.checkpoint
+        saves = -(-cfg.training.steps // c.interval)
+        # A new checkpoint is written whole before the oldest is pruned: keep_latest_k + 1 at once.
+        kept = min(saves, c.keep_latest_k + 1) if c.keep_latest_k else saves
+        gb = lambda b: f"{b / 1e9:,.1f} GB"  # noqa: E731
+        if usage.total and usage.free < one:
+            problem = (f"{ckpt} has {gb(usage.free)} free on its disk, less than one checkpoint of this model "
+                       f"(about {gb(one)}: {n_params / 1e9:,.2f}B parameters with AdamW state in float32); free "
+                       f"space or point --job.dump_folder elsewhere")
+        elif usage.total and usage.free < kept * one:
+            warning = (f"warning: {ckpt} has {gb(usage.free)} free on its disk; this run keeps up to {kept} "
+                       f"checkpoints of about {gb(one)} each ({gb(kept * one)}): saves will fail once it is full "
+                       f"(free space, or set [checkpoint] keep_latest_k)")
+    if torch.distributed.is_initialized():
+        problems = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(problems, problem)
+        failed = [(r, p) for r, p in enumerate(problems) if p is not None]
+        if failed:
+            rank, problem = failed[0]
+            raise ConfigError(problem if rank == 0 else f"rank {rank}: {problem}")
+    elif problem is not None:
+        raise ConfigError(problem)
+    if warning and _is_main():
+        print(warning, file=sys.stderr, flush=True)
+
+
 def complete_checkpoints(folder: Path) -> dict[int, Path]:
-    """step -> folder of every finished checkpoint (``.tmp`` folders are unfinished saves)."""
+    """step -> folder of every finished checkpoint: one with a manifest, or one written before
+    manifests existed (``.metadata`` and ``model.json``). ``.tmp`` folders are unfinished saves."""
     out = {}
     if folder.is_dir():
         for child in folder.iterdir():
             m = _STEP_DIR.match(child.name)
-            if m and (child / ".metadata").is_file() and (child / "model.json").is_file():
+            if m and ((child / MANIFEST).is_file()
+                      or (child / ".metadata").is_file() and (child / "model.json").is_file()):
                 out[int(m.group(1))] = child
     return out
+
+
+def write_manifest(folder: Path) -> None:
+    """``manifest.json``: every file of the checkpoint in ``folder`` with its size."""
+    files = {p.relative_to(folder).as_posix(): p.stat().st_size
+             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    (folder / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+
+
+def checkpoint_damage(folder: Path) -> str | None:
+    """What is wrong with the checkpoint in ``folder`` against its manifest (a file missing or of
+    another size), or None when it matches; None too for a checkpoint without a manifest (written
+    before manifests existed), which cannot be checked."""
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        return None
+    try:
+        files = json.loads(manifest.read_text())["files"]
+        files = {str(name): int(size) for name, size in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"its {MANIFEST} is unreadable ({type(e).__name__})"
+    for name, size in files.items():
+        try:
+            actual = (folder / name).stat().st_size
+        except FileNotFoundError:
+            return f"{name} is missing"
+        if actual != size:
+            return f"{name} has {actual:,} bytes, the manifest says {size:,}"
+    return None
 
 
 class CheckpointManager:
@@ -104,11 +239,17 @@ class CheckpointManager:
             tmp.mkdir(parents=True)
         _barrier()
         future = None
-        if self.cfg.async_mode == "async":
-            # Returns once the state is copied to CPU memory; training may change the weights after.
-            future = dcp.async_save(self._dcp_state(), checkpoint_id=str(tmp), process_group=self._async_group)
-        else:
-            dcp.save(self._dcp_state(), checkpoint_id=str(tmp))
+        try:
+            with _quiet_single_process():
+                if self.cfg.async_mode == "async":
+                    # Returns once the state is copied to CPU memory; training may change the weights after.
+                    future = dcp.async_save(self._dcp_state(), checkpoint_id=str(tmp),
+                                            process_group=self._async_group)
+                else:
+                    dcp.save(self._dcp_state(), checkpoint_id=str(tmp))
+        except (Exception, CheckpointException) as e:
+            raise CheckpointError(f"the save of step {step} to {tmp} failed ({_one_line(e)}); the newest complete "
+                                  f"checkpoint is still the previous one") from e
         torch.save({"step": step, "world_size": _world_size(), "dataloader": self.dataloader.state_dict(),
                     "rng": torch.get_rng_state(),
                     "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
@@ -140,8 +281,8 @@ class CheckpointManager:
         self._pending = None
         try:
             future.result()
-        except Exception as e:
-            raise CheckpointError(f"the async save of step {step} to {tmp} failed ({type(e).__name__}: {e}); "
+        except (Exception, CheckpointException) as e:
+            raise CheckpointError(f"the async save of step {step} to {tmp} failed ({_one_line(e)}); "
                                   f"the newest complete checkpoint is still the previous one") from e
         self._finish(tmp, final)
         return final
@@ -150,6 +291,7 @@ class CheckpointManager:
         _barrier()
         if _is_main():
             (tmp / "model.json").write_text(json.dumps(self.identity, indent=1, sort_keys=True))
+            write_manifest(tmp)  # last: a folder with a manifest is whole
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)  # atomic: the checkpoint exists whole or not at all
@@ -159,9 +301,15 @@ class CheckpointManager:
     def _purge_old(self) -> None:
         if self.cfg.keep_latest_k <= 0:
             return
-        steps = sorted(complete_checkpoints(self.folder))
-        for s in steps[: -self.cfg.keep_latest_k]:
-            shutil.rmtree(self.folder / f"step-{s}", ignore_errors=True)
+        # Counted in intact checkpoints: a damaged newer one (left by a run that fell back from it)
+        # must not push out the intact ones. Everything older than the k kept goes.
+        found = complete_checkpoints(self.folder)
+        intact = [s for s in sorted(found) if checkpoint_damage(found[s]) is None]
+        if len(intact) > self.cfg.keep_latest_k:
+            oldest_kept = intact[-self.cfg.keep_latest_k]
+            for s in found:
+                if s < oldest_kept:
+                    shutil.rmtree(found[s], ignore_errors=True)
 
     def maybe_load(self) -> int:
         """Loads the checkpoint to resume from, if any; returns its step (0 when starting fresh, from
@@ -180,30 +328,36 @@ class CheckpointManager:
             if self.cfg.initial_load_path:
                 self.load_initial_weights()
             return 0
-        found = complete_checkpoints(self.folder)
-        if self.cfg.load_step >= 0:
-            if self.cfg.load_step not in found:
-                raise CheckpointError(f"[checkpoint] load_step = {self.cfg.load_step}: no complete checkpoint "
-                                      f"for that step in {self.folder} (found: {sorted(found) or 'none'})")
-            step = self.cfg.load_step
-        elif not found:
+        # Rank 0 picks the checkpoint so that every rank loads the same one.
+        step, problem = _broadcast(self._choose() if _is_main() else None)
+        if problem is not None:
+            raise CheckpointError(problem)
+        if step is None:
             if self.cfg.initial_load_path:
                 self.load_initial_weights()
             return 0
-        else:
-            step = max(found)
-        path = found[step]
+        path = self.folder / f"step-{step}"
         self._check_identity(path)
-        state = self._dcp_state()
-        dcp.load(state, checkpoint_id=str(path))
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        try:
+            state = self._dcp_state()
+            with _quiet_single_process():
+                dcp.load(state, checkpoint_id=str(path))
+            extra = torch.load(path / "trainer_rank0.pt", weights_only=False)
+            if extra["world_size"] == _world_size():
+                extra = torch.load(path / f"trainer_rank{rank}.pt", weights_only=False)
+        except (Exception, CheckpointException) as e:
+            older = [s for s in sorted(complete_checkpoints(self.folder), reverse=True)
+                     if s < step and checkpoint_damage(self.folder / f"step-{s}") is None]
+            way = (f"resume from the one before with --checkpoint.load_step {older[0]}" if older else
+                   "move it away to start afresh")
+            raise CheckpointError(f"checkpoint {path} could not be loaded ({_one_line(e)}); if it is damaged, "
+                                  f"{way}") from None
         set_model_state_dict(self.model, state["model"])
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        extra = torch.load(path / "trainer_rank0.pt", weights_only=False)
         if extra["world_size"] == _world_size():
             # Same layout: every rank continues its own data stream and random state exactly.
-            extra = torch.load(path / f"trainer_rank{rank}.pt", weights_only=False)
             self.dataloader.load_state_dict(extra["dataloader"])
             torch.set_rng_state(extra["rng"])
             if extra["cuda_rng"] is not None and torch.cuda.is_available():
@@ -215,6 +369,39 @@ class CheckpointManager:
                   "model and optimizer state are resharded, the data order starts afresh", flush=True)
         return int(extra["step"])
 
+    def _choose(self) -> tuple[int | None, str | None]:
+        """(step to resume from or None to start fresh, or the one-line error). A damaged newest
+        checkpoint falls back to the newest intact one, with a warning: everything the run resumes
+        (weights, optimizer, LR schedule, data position, RNG) comes from that one checkpoint, so the
+        run goes on as if it had stopped there, and a requeued cluster job keeps training instead of
+        failing. A damaged ``load_step`` (asked for by name) is an error."""
+        found = complete_checkpoints(self.folder)
+        if self.cfg.load_step >= 0:
+            step = self.cfg.load_step
+            if step not in found:
+                return None, (f"[checkpoint] load_step = {step}: no complete checkpoint for that step in "
+                              f"{self.folder} (found: {sorted(found) or 'none'})")
+            damage = checkpoint_damage(found[step])
+            if damage is not None:
+                intact = [s for s in sorted(found) if checkpoint_damage(found[s]) is None]
+                return None, (f"checkpoint {found[step]} is damaged ({damage}); pick another with "
+                              f"--checkpoint.load_step (intact: {intact or 'none'})")
+            return step, None
+        damaged = []
+        for step in sorted(found, reverse=True):
+            damage = checkpoint_damage(found[step])
+            if damage is None:
+                for path, why in damaged:
+                    print(f"warning: checkpoint {path} is damaged ({why}); resuming from the newest intact one, "
+                          f"{found[step]}, and training the steps since again (--checkpoint.load_step picks "
+                          f"another)", file=sys.stderr, flush=True)
+                return step, None
+            damaged.append((found[step], damage))
+        if damaged:
+            path, why = damaged[0]
+            return None, (f"checkpoint {path} is damaged ({why}) and no older one in {self.folder} is intact; "
+                          f"repair the checkpoints or move them away to start afresh")
+        return None, None
 
     def load_initial_weights(self) -> None:
         """``[checkpoint] initial_load_path``: model weights to start from (a fresh run only)."""
@@ -242,7 +429,11 @@ class CheckpointManager:
         set_model_state_dict(self.model, state["model"])
 
     def _check_identity(self, path: Path) -> None:
-        saved = json.loads((path / "model.json").read_text())
+        try:
+            saved = json.loads((path / "model.json").read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"checkpoint {path}: model.json is unreadable ({_one_line(e)}); pick another "
+                                  f"checkpoint with --checkpoint.load_step") from None
         if saved != self.identity:
             diff = {k: (saved.get(k), self.identity.get(k)) for k in set(saved) | set(self.identity)
                     if saved.get(k) != self.identity.get(k)}

@@ -1,14 +1,22 @@
-"""Checkpoints through the real training loop: resume equality, async saves (still atomic) and
-starting from given weights (HF safetensors or DCP)."""
+"""Checkpoints through the real training loop: resume equality, async saves (still atomic),
+starting from given weights (HF safetensors or DCP), output folders checked at start and damaged
+checkpoints found by their manifest."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import os
+import shutil
+import subprocess
+import time
+import warnings
 
 import pytest
 import torch
 
 import components.checkpoint as ckpt
+from components.config import parse_args
 from tests import utils
 from tests.utils import DEBUG_CONFIG, load_script, logged_steps
 from train import Trainer, main
@@ -180,3 +188,136 @@ def test_export_script_writes_what_was_trained(tmp_path):
     with pytest.raises(SystemExit, match="is of another model: n_layers saved 2 vs configured 3"):
         export_hf.main(["--checkpoint", str(tmp_path / "checkpoint" / "step-2"), "--out", str(tmp_path / "x"),
                         "--config", "train_configs/debug_model.toml", "--model.n_layers", "3"])
+
+
+# --------------------------------------------------------------------------------------------------
+# Output folders checked at start; damaged checkpoints (manifest); DCP's single-process warnings
+# --------------------------------------------------------------------------------------------------
+
+# 2 x 32 tokens a step of the 1-layer debug model, a checkpoint at every step.
+TINY = [*DEBUG_CONFIG, *utils.SMALL, "--model.n_layers", "1", "--training.seq_len", "32",
+        "--training.local_batch_size", "2", "--checkpoint.enable", "--checkpoint.interval", "1"]
+
+
+def run_tiny(capsys, dump, *args) -> tuple[int, str, list[str]]:
+    """``train.main`` on :data:`TINY`: (exit code, stdout, the trainer's stderr lines about
+    checkpoints: ``error: `` and ``warning: checkpoint`` ones, and DCP's UserWarnings, recorded
+    over pytest's own filters, which hide them)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rc = main([*TINY, "--job.dump_folder", str(dump), *args])
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines()
+             if line.startswith(("error: ", "warning: checkpoint", "warning: " + str(dump)))]
+    dcp_warnings = [f"UserWarning: {w.message}" for w in caught if "torch.distributed" in str(w.message)]
+    return rc, captured.out, lines + dcp_warnings
+
+
+def refused_at_start(capsys, *args) -> str:
+    start = time.perf_counter()
+    rc, out, err = run_tiny(capsys, *args)
+    assert rc == 2 and time.perf_counter() - start < 5, (rc, out, err)
+    assert not logged_steps(out) and len(err) == 1, (out, err)  # before any step, one line
+    return err[0]
+
+
+@pytest.mark.unit
+def test_unwritable_dump_folder_is_refused_at_start(tmp_path, capsys):
+    err = refused_at_start(capsys, "/dev/null/out")
+    assert err.startswith("error: [job] dump_folder = '/dev/null/out' cannot be written (NotADirectoryError")
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    if os.geteuid() != 0:
+        read_only.chmod(0o500)
+    elif subprocess.run(["chattr", "+i", str(read_only)], capture_output=True).returncode != 0:
+        pytest.skip("running as root, where mode 0500 does not stop writes, and chattr +i is unavailable")
+    try:
+        err = refused_at_start(capsys, read_only / "out")
+        assert "[job] dump_folder" in err and "cannot be written" in err and str(read_only / "out") in err
+        err = refused_at_start(capsys, tmp_path, "--checkpoint.folder", str(read_only / "ckpt"))
+        assert f"[checkpoint] folder = '{read_only / 'ckpt'}' cannot be written" in err
+    finally:
+        if os.geteuid() != 0:
+            read_only.chmod(0o700)
+        else:
+            subprocess.run(["chattr", "-i", str(read_only)], check=True)
+
+
+@pytest.mark.unit
+def test_disk_space_for_checkpoints_is_checked_at_start(tmp_path, capsys):
+    free = shutil.disk_usage(tmp_path).free
+    if free > 2.5e12:
+        pytest.skip("this disk holds a 235B model's checkpoint")
+    # The full 235B model's checkpoint (about 2.8 TB) cannot fit: refused before anything is built.
+    err = refused_at_start(capsys, tmp_path, "--model.flavor", "qwen3_235b_a22b", "--model.n_layers", "0")
+    assert "less than one checkpoint of this model (about 2,821.1 GB: 235.09B parameters" in err
+    # One checkpoint fits, the three this run keeps do not: a warning, and the run goes on.
+    cfg = parse_args([*TINY, "--job.dump_folder", str(tmp_path), "--training.steps", "3"])
+    ckpt.check_output_folders(cfg, n_params=free // ckpt.CHECKPOINT_BYTES_PER_PARAM // 2)
+    err = capsys.readouterr().err
+    assert err.startswith("warning: ") and "this run keeps up to 3 checkpoints" in err, err
+
+
+def test_damaged_checkpoints_on_resume(tmp_path, capsys):
+    """Really truncated and deleted files of real checkpoints: the newest damaged falls back to the
+    newest intact one (the run then logs what the straight run did), a damaged ``load_step`` and a
+    checkpoint DCP cannot load are one-line errors naming the folder and ``--checkpoint.load_step``,
+    a checkpoint of an older version (no manifest) still loads, and no save or load prints DCP's
+    single-process UserWarning."""
+    folder = tmp_path / "checkpoint"
+    rc, straight, err = run_tiny(capsys, tmp_path, "--training.steps", "3")
+    assert rc == 0 and err == [], err
+    manifest = json.loads((folder / "step-3" / ckpt.MANIFEST).read_text())["files"]
+    assert {".metadata", "__0_0.distcp", "model.json", "trainer_rank0.pt"} == set(manifest)
+    assert manifest["__0_0.distcp"] == (folder / "step-3" / "__0_0.distcp").stat().st_size
+
+    with open(folder / "step-3" / "__0_0.distcp", "r+b") as f:
+        f.truncate(1000)
+    rc, out, err = run_tiny(capsys, tmp_path, "--training.steps", "4")
+    assert rc == 0 and err == [
+        f"warning: checkpoint {folder / 'step-3'} is damaged (__0_0.distcp has 1,000 bytes, the manifest says "
+        f"{manifest['__0_0.distcp']:,}); resuming from the newest intact one, {folder / 'step-2'}, and training the "
+        f"steps since again (--checkpoint.load_step picks another)"], err
+    assert "resumed from the checkpoint of step 2" in out
+    assert logged_steps(out)[3]["loss"] == logged_steps(straight)[3]["loss"]
+    assert all(ckpt.checkpoint_damage(folder / f"step-{s}") is None for s in (1, 2, 3, 4))
+
+    (folder / "step-4" / "trainer_rank0.pt").unlink()
+    rc, _, err = run_tiny(capsys, tmp_path, "--training.steps", "5", "--checkpoint.load_step", "4")
+    assert rc == 2 and err == [f"error: checkpoint {folder / 'step-4'} is damaged (trainer_rank0.pt is missing); "
+                               f"pick another with --checkpoint.load_step (intact: [1, 2, 3])"], err
+
+    # Without its manifest (as an older version wrote it) the damage is found by the loader itself.
+    (folder / "step-4" / ckpt.MANIFEST).unlink()
+    rc, _, err = run_tiny(capsys, tmp_path, "--training.steps", "5")
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith(f"error: checkpoint {folder / 'step-4'} could not be loaded (FileNotFoundError")
+    assert err[0].endswith("; if it is damaged, resume from the one before with --checkpoint.load_step 3"), err
+
+    shutil.rmtree(folder / "step-4")
+    (folder / "step-3" / ckpt.MANIFEST).unlink()
+    rc, out, err = run_tiny(capsys, tmp_path, "--training.steps", "4")
+    assert rc == 0 and err == [] and "resumed from the checkpoint of step 3" in out, err
+
+
+def test_keep_latest_k_counts_intact_checkpoints(tmp_path, capsys):
+    """After falling back from damaged newer checkpoints, pruning keeps the intact ones just saved;
+    with no intact checkpoint left, resume stops."""
+    folder = tmp_path / "checkpoint"
+    assert run_tiny(capsys, tmp_path, "--training.steps", "3")[0] == 0
+    for step in (2, 3):
+        with open(folder / f"step-{step}" / "__0_0.distcp", "r+b") as f:
+            f.truncate(10)
+    rc, out, err = run_tiny(capsys, tmp_path, "--training.steps", "2", "--checkpoint.keep_latest_k", "1")
+    assert rc == 0 and "resumed from the checkpoint of step 1" in out, err
+    assert [line.split()[2] for line in err] == [str(folder / "step-3"), str(folder / "step-2")]
+    # step-2 is the new intact one, step-1 pruned; the damaged step-3 stays for the user to look at.
+    assert sorted(p.name for p in folder.iterdir()) == ["step-2", "step-3"]
+    assert ckpt.checkpoint_damage(folder / "step-2") is None
+
+    # No intact checkpoint left: an error, not a silent fresh start that would overwrite them.
+    with open(folder / "step-2" / "__0_0.distcp", "r+b") as f:
+        f.truncate(10)
+    rc, _, err = run_tiny(capsys, tmp_path, "--training.steps", "4")
+    assert rc == 2 and len(err) == 1 and err[0].startswith(f"error: checkpoint {folder / 'step-3'} is damaged"), err
+    assert "no older one in" in err[0] and "move them away to start afresh" in err[0], err
