@@ -144,6 +144,7 @@ class Trainer:
         self.saved: list[Path] = []  # checkpoints this run wrote
         self._save_started: dict[Path, float] = {}
         self.checkpoint_s = 0.0  # time the loop spent blocked on checkpoint saves
+        self._epoch_noted_at: int | None = None  # the step of the last "data repeats" notice
         self.metrics = MetricsLogger(
             cfg.metrics, self.device, flops_per_token(self.model_args, t.seq_len),
             tokens_per_step=t.local_batch_size * t.seq_len * self.grad_accum_steps,
@@ -386,11 +387,14 @@ class Trainer:
                      f"{now:.2e} on the old one to {new:.2e} after the next step)", flush=True)
 
     def note_epoch(self, epoch: int) -> int:
-        """Say when this rank's data runs out and repeats; returns the data's current epoch."""
+        """Say when this rank's data runs out and repeats (at most once per ``log_freq`` steps, for
+        tiny datasets); returns the data's current epoch."""
         if self.dataloader.epoch != epoch:
             epoch = self.dataloader.epoch
-            self.log(f"note: the dataset was used up by step {self.step}: the data repeats from here (epoch "
-                     f"{epoch + 1})", flush=True)
+            if self._epoch_noted_at is None or self.step - self._epoch_noted_at >= self.cfg.metrics.log_freq:
+                self._epoch_noted_at = self.step
+                self.log(f"note: the dataset was used up by step {self.step}: the data repeats from here (epoch "
+                         f"{epoch + 1})", flush=True)
         return epoch
 
     def outputs(self, profiler: StepProfiler) -> list[str]:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -35,16 +36,22 @@ def tiny_run(tmp_path: Path, *extra: str) -> list[str]:
 
 def signal_after_first_step(procs: list[subprocess.Popen], target: subprocess.Popen, signum: int) -> str:
     """Read rank 0's (``procs[0]``) output until its first step line, send ``signum`` to ``target``,
-    wait for every process; rank 0's whole output."""
-    lines = []
-    for line in procs[0].stdout:
-        lines.append(line)
-        if line.startswith("step:"):
-            target.send_signal(signum)
-            break
-    lines.append(procs[0].stdout.read())
-    for p in procs:
-        p.wait(timeout=TIMEOUT_S)
+    wait for every process; rank 0's whole output. Processes still running after TIMEOUT_S (a hang)
+    are killed."""
+    watchdog = threading.Timer(TIMEOUT_S, lambda: [p.kill() for p in procs])
+    watchdog.start()
+    try:
+        lines = []
+        for line in procs[0].stdout:
+            lines.append(line)
+            if line.startswith("step:"):
+                target.send_signal(signum)
+                break
+        lines.append(procs[0].stdout.read())
+        for p in procs:
+            p.wait()
+    finally:
+        watchdog.cancel()
     return "".join(lines)
 
 
@@ -100,12 +107,7 @@ def test_sigint_to_one_of_two_ranks_stops_both_after_the_same_step(tmp_path):
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE if rank == 0 else
                                       subprocess.DEVNULL, stderr=open(tmp_path / f"err{rank}.txt", "w")))
-    try:
-        out = signal_after_first_step(procs, procs[1], signal.SIGINT)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    out = signal_after_first_step(procs, procs[1], signal.SIGINT)
     errors = [(tmp_path / f"err{r}.txt").read_text()[-2000:] for r in range(2)]
     assert [p.returncode for p in procs] == [128 + signal.SIGINT] * 2, (out, errors)
     assert "SIGINT received by another rank: stopping after this step" in out
