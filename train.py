@@ -4,7 +4,8 @@
     python train.py --help
 
 The loop reads like the algorithm: build, parallelize, then per step: batch, forward, loss,
-backward, clip, optimizer step, log, checkpoint.
+backward, clip, optimizer step, log, checkpoint. SIGTERM or SIGINT stops it after the step, with a
+checkpoint (components/signals.py).
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import contextlib
 import math
 import os
 import random
+import signal
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -28,8 +31,9 @@ from components.dataloader import DataError, build_dataloader
 from components.loss import build_loss_fn
 from components.float8 import convert_to_float8
 from components.metrics import MetricsLogger, flops_per_token
-from components.optimizer import build_lr_scheduler, build_optimizer, folds_grad_scale
+from components.optimizer import build_lr_scheduler, build_optimizer, folds_grad_scale, lr_factor
 from components.profiling import StepProfiler
+from components.signals import GracefulStop, Interrupted, interruptible
 from components.tokenizer import TokenizerError, build_tokenizer
 from kernels.moe import available_moe_backends, resolve_moe_backend
 from models.moe.router import TokenChoiceTopKRouter, update_expert_bias
@@ -99,6 +103,7 @@ class Trainer:
         if self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.rank = torch.distributed.get_rank() if self.distributed else 0
+        self.log = print if self.rank == 0 else (lambda *a, **k: None)
         if t.seq_len > self.model_args.max_seq_len:
             raise ConfigError(f"[training] seq_len = {t.seq_len} exceeds the model's max_seq_len "
                               f"{self.model_args.max_seq_len}")
@@ -137,7 +142,11 @@ class Trainer:
         self._enable_compute_weights(cfg)
         self.checkpoint = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, model, self.optimizer,
                                             self.lr_scheduler, self.dataloader,
-                                            model_identity(self.model_args, m.flavor))
+                                            model_identity(self.model_args, m.flavor), run_steps=t.steps)
+        self.saved: list[Path] = []  # checkpoints this run wrote
+        self._save_started: dict[Path, float] = {}
+        self.checkpoint_s = 0.0  # time the loop spent blocked on checkpoint saves
+        self._epoch_noted_at: int | None = None  # the step of the last "data repeats" notice
         self.metrics = MetricsLogger(
             cfg.metrics, self.device, flops_per_token(self.model_args, t.seq_len),
             tokens_per_step=t.local_batch_size * t.seq_len * self.grad_accum_steps,
@@ -274,9 +283,11 @@ class Trainer:
             torch.distributed.all_reduce(counts_LE, group=self.parallel_dims.dp_mesh.get_group())
         return self.metrics.log_expert_load(self.step, counts_LE)
 
-    def train(self) -> None:
+    def train(self) -> int:
+        """Train to ``[training] steps``. Returns 0, or the signal (SIGTERM, SIGINT) the run stopped
+        for: every rank finishes the same step, a checkpoint of it is saved, and the loop ends."""
         t = self.cfg.training
-        log = print if self.rank == 0 else (lambda *a, **k: None)
+        log = self.log
         log(self.describe(), flush=True)
         self.step = self.checkpoint.maybe_load()
         if self.step:
@@ -284,59 +295,170 @@ class Trainer:
         elif self.cfg.checkpoint.initial_load_path:
             log(f"initial weights from {self.cfg.checkpoint.initial_load_path} "
                 f"({self.cfg.checkpoint.initial_load_format})", flush=True)
+        self.note_schedule()
         profiler = StepProfiler(self.cfg.profiling, self.cfg.job.dump_folder, self.rank, self.device, log=log)
         data_iter = iter(self.dataloader)
+        epoch = self.dataloader.epoch
+        stopped_by = 0
         self.metrics.start()
+        self.train_started = time.perf_counter()
         try:
-            while self.step < t.steps:
-                self.step += 1
-                profiler.step_start(self.step)
-                lr = self.optimizer.param_groups[0]["lr"]
-                loss, aux, grad_norm = self.train_step(data_iter)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                self.metrics.step_done(self.step)
-                profiler.step_end(self.step)
-                if self.step == 1 or self.step % self.cfg.metrics.log_freq == 0 or self.step == t.steps:
-                    log(self.metrics.log(self.step, loss, aux, grad_norm, lr), flush=True)
-                    if self.cfg.metrics.log_expert_load:
-                        log(self.expert_load_line(), flush=True)
-                if (done := self.checkpoint.poll()) is not None:
-                    log(f"checkpoint {done} written", flush=True)
-                if self.checkpoint.should_save(self.step, t.steps):
-                    path = self.checkpoint.save(self.step)
-                    log(f"{'saving' if self.cfg.checkpoint.async_mode == 'async' else 'saved'} checkpoint {path}",
-                        flush=True)
-            if (done := self.checkpoint.wait()) is not None:  # the last async save, before the process exits
-                log(f"checkpoint {done} written", flush=True)
+            with GracefulStop(lambda msg: log(msg, flush=True)) as stop:
+                while self.step < t.steps:
+                    self.step += 1
+                    profiler.step_start(self.step)
+                    lr = self.optimizer.param_groups[0]["lr"]
+                    loss, aux, grad_norm = self.train_step(data_iter)
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    self.metrics.step_done(self.step, loss)
+                    profiler.step_end(self.step)
+                    signum = stop.agreed(self.device)  # every rank stops after the same step
+                    self.log_step(loss, aux, grad_norm, lr, last=self.step == t.steps or bool(signum))
+                    epoch = self.note_epoch(epoch)
+                    self.poll_checkpoint()
+                    if self.checkpoint.should_save(self.step, t.steps) or (signum and self.cfg.checkpoint.enable):
+                        self.save_checkpoint(wait=bool(signum))
+                    if signum and self.step < t.steps:
+                        stopped_by = signum
+                        break
+                self.finish_checkpoint()  # the last async save, before the process exits
         finally:
             profiler.close()
-        log(self.metrics.summary(), flush=True)
+        self.train_s = time.perf_counter() - self.train_started
+        log(self.metrics.summary(self.outputs(profiler)), flush=True)
         self.metrics.close()
+        return stopped_by
+
+    def log_step(self, loss: float, aux: float, grad_norm: float, lr: float, last: bool) -> None:
+        """The metrics line of the first step, every ``log_freq``-th and the ``last`` (collective with
+        ``log_expert_load``)."""
+        if self.step == 1 or self.step % self.cfg.metrics.log_freq == 0 or last:
+            self.log(self.metrics.log(self.step, loss, aux, grad_norm, lr), flush=True)
+            if self.cfg.metrics.log_expert_load:
+                self.log(self.expert_load_line(), flush=True)
+
+    def save_checkpoint(self, wait: bool) -> None:
+        """Save this step's checkpoint, saying where as it starts and how long it took once written.
+        An async save only starts (training goes on while it writes) unless ``wait``."""
+        start = time.perf_counter()
+        self.finish_checkpoint()  # saves become visible in step order
+        path = self.checkpoint.folder / f"step-{self.step}"
+        self.log(f"saving checkpoint to {path} ...", flush=True)
+        self._save_started[path] = start
+        self.checkpoint.save(self.step)
+        self.saved.append(path)
+        if wait or self.cfg.checkpoint.async_mode != "async":
+            self.finish_checkpoint()
+            if path in self._save_started:  # a sync save: finish_checkpoint had nothing pending
+                self._checkpoint_written(path)
+        else:
+            self.log(f"checkpoint {path}: state staged in {time.perf_counter() - start:.1f}s, "
+                     "writing in the background", flush=True)
+        self.checkpoint_s += time.perf_counter() - start
+        self.metrics.exclude_pause()
+
+    def poll_checkpoint(self) -> None:
+        start = time.perf_counter()
+        if (done := self.checkpoint.poll()) is not None:
+            self._checkpoint_written(done)
+            self.checkpoint_s += time.perf_counter() - start
+
+    def finish_checkpoint(self) -> None:
+        """Wait for the async save in flight, if any (collective)."""
+        if (done := self.checkpoint.wait()) is not None:
+            self._checkpoint_written(done)
+
+    def _checkpoint_written(self, path: Path) -> None:
+        took = time.perf_counter() - self._save_started.pop(path)
+        self.log(f"checkpoint {path} saved in {took:.1f}s", flush=True)
+
+    def note_schedule(self) -> None:
+        """One-line notices about the learning-rate schedule this run follows."""
+        t, sched = self.cfg.training, self.cfg.lr_scheduler
+        if sched.warmup_steps > t.steps:
+            self.log(f"note: [lr_scheduler] warmup_steps = {sched.warmup_steps} is more than [training] steps = "
+                     f"{t.steps}: the warmup is cut to {t.steps} steps, so the lr rises over the whole run and "
+                     "never reaches its peak", flush=True)
+        saved = self.checkpoint.resumed_run_steps
+        if self.step and saved is not None and saved != t.steps:
+            now = self.optimizer.param_groups[0]["lr"]
+            new = self.lr_scheduler.base_lrs[0] * lr_factor(self.step + 1, t.steps, sched)
+            self.log(f"note: the checkpoint of step {self.step} was saved by a run of {saved} steps and this run "
+                     f"has [training] steps = {t.steps}: the lr schedule moves to the {t.steps}-step curve (from "
+                     f"{now:.2e} on the old one to {new:.2e} after the next step)", flush=True)
+
+    def note_epoch(self, epoch: int) -> int:
+        """Say when this rank's data runs out and repeats (at most once per ``log_freq`` steps, for
+        tiny datasets); returns the data's current epoch."""
+        if self.dataloader.epoch != epoch:
+            epoch = self.dataloader.epoch
+            if self._epoch_noted_at is None or self.step - self._epoch_noted_at >= self.cfg.metrics.log_freq:
+                self._epoch_noted_at = self.step
+                self.log(f"note: the dataset was used up by step {self.step}: the data repeats from here (epoch "
+                         f"{epoch + 1})", flush=True)
+        return epoch
+
+    def outputs(self, profiler: StepProfiler) -> list[str]:
+        """What this run wrote, for the closing summary."""
+        out = []
+        kept = [p for p in self.saved if p.is_dir()]  # keep_latest_k may have removed older ones
+        if len(kept) > 3:
+            out.append(f"{len(kept)} checkpoints in {kept[0].parent} (newest {kept[-1].name})")
+        elif kept:
+            out.append(f"checkpoint{'s' if len(kept) > 1 else ''} {', '.join(str(p) for p in kept)}")
+        elif not self.cfg.checkpoint.enable:
+            out.append("no checkpoint ([checkpoint] enable = false)")
+        if self.metrics.writer is not None:
+            out.append(f"TensorBoard {self.metrics.log_dir}")
+        out += [f"profile {p.parent}" for p in profiler.written]
+        return out
+
+    def end_line(self, started: float, stopped_by: int) -> str:
+        """The closing line: how the run ended and where its time went since ``started`` (process start)."""
+        total = time.perf_counter() - started
+        timings = (f"{total:.1f}s (startup {self.train_started - started:.1f}s, training {self.train_s:.1f}s, of "
+                   f"which checkpoint saves {self.checkpoint_s:.1f}s)")
+        if not stopped_by:
+            return f"done in {timings}"
+        if self.cfg.checkpoint.enable:
+            where = f"checkpoint {self.saved[-1]} saved; run the same command to resume"
+        else:
+            where = ("no checkpoint was written ([checkpoint] enable = false; --checkpoint.enable true saves one "
+                     "on a signal, to resume from)")
+        return (f"stopped by {signal.Signals(stopped_by).name} after step {self.step} in {timings}: {where} "
+                f"(exit code {128 + stopped_by})")
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
     argv = sys.argv[1:] if argv is None else argv
     try:
-        cfg = parse_args(argv)
-        if cfg is None:
-            return 0
-        trainer = Trainer(cfg)
-        start = time.perf_counter()
-        trainer.train()
-        print(f"done in {time.perf_counter() - start:.1f}s", flush=True)
+        # Until the train loop takes them over, SIGTERM and SIGINT end the run with a line, not a traceback.
+        with interruptible():
+            cfg = parse_args(argv)
+            if cfg is None:
+                return 0
+            trainer = Trainer(cfg)
+            stopped_by = trainer.train()
+            trainer.log(trainer.end_line(started, stopped_by), flush=True)
+            return 128 + stopped_by if stopped_by else 0
     except (ConfigError, FileNotFoundError, CheckpointError, NotImplementedError, DataError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (NonFiniteLossError, ExpertCapacityError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except Interrupted as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"stopped by {signal.Signals(e.signum).name} outside the training loop: nothing to save "
+                  f"(exit code {128 + e.signum})", file=sys.stderr)
+        return 128 + e.signum
     finally:
         # Destroy the process groups while the interpreter is whole: left to finalization, gloo
         # groups can abort the process at exit (see tests/multiprocess.py).
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

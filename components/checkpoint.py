@@ -206,8 +206,11 @@ def checkpoint_damage(folder: Path) -> str | None:
 
 class CheckpointManager:
     def __init__(self, cfg: CheckpointConfig, dump_folder: str, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 lr_scheduler: Any, dataloader: Any, model_identity: dict[str, Any]):
+                 lr_scheduler: Any, dataloader: Any, model_identity: dict[str, Any], run_steps: int | None = None):
         self.cfg = cfg
+        # [training] steps, saved with each checkpoint: a resumed run with other steps follows another lr curve.
+        self.run_steps = run_steps
+        self.resumed_run_steps: int | None = None  # that of the checkpoint loaded (None: older checkpoint, none)
         self.folder = Path(dump_folder) / cfg.folder
         self.model, self.optimizer, self.lr_scheduler, self.dataloader = model, optimizer, lr_scheduler, dataloader
         self.identity = model_identity
@@ -251,7 +254,7 @@ class CheckpointManager:
             raise CheckpointError(f"the save of step {step} to {tmp} failed ({_one_line(e)}); the newest complete "
                                   f"checkpoint is still the previous one") from e
         torch.save({"step": step, "world_size": _world_size(), "dataloader": self.dataloader.state_dict(),
-                    "rng": torch.get_rng_state(),
+                    "run_steps": self.run_steps, "rng": torch.get_rng_state(),
                     "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
                    tmp / f"trainer_rank{rank}.pt")
         if future is not None:
@@ -367,6 +370,7 @@ class CheckpointManager:
             # cannot be, so the data order restarts.
             print(f"note: checkpoint {path} was saved by {extra['world_size']} ranks, this run has {_world_size()}: "
                   "model and optimizer state are resharded, the data order starts afresh", flush=True)
+        self.resumed_run_steps = extra.get("run_steps")
         return int(extra["step"])
 
     def _choose(self) -> tuple[int | None, str | None]:

@@ -185,8 +185,11 @@ class Metrics:
     save_tb_folder: str = _field("tb", "TensorBoard folder, relative to job.dump_folder")
     peak_tflops: float = _field(0.0, "device peak TFLOP/s for MFU; 0 = known GPUs' bf16 dense peak, "
                                 "else MFU is not reported", ge=0)
-    summary_start_step: int = _field(6, "first step of the closing tokens/s summary window", ge=1)
-    summary_end_step: int = _field(20, "last step of the summary window", ge=1)
+    summary_start_step: int = _field(6, "first step of the closing tokens/s summary window, counted from the run's "
+                                     "first step", ge=1)
+    summary_end_step: int = _field(20, "last step of the summary window; a shorter run is measured from "
+                                   "min(summary_start_step, its middle) to its end, one over 5 x longer from "
+                                   "summary_start_step to its end", ge=1)
     log_expert_load: bool = _field(False, "also log per-layer tokens per expert (min/max/mean, max/mean "
                                    "imbalance) at each log step; --debug sets it")
 

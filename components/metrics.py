@@ -1,5 +1,6 @@
 """Throughput, FLOPs, MFU and memory: printed every ``log_freq`` steps, optionally to TensorBoard,
-and summarised over a step window at the end of the run."""
+and summarised at the end of the run over a step window that follows the run's length
+(:func:`summary_window`), with the final loss and the run's outputs."""
 
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ from models.qwen3.model import count_params
 
 # Dense bf16 peak (TFLOP/s) of GPUs we know; MFU is reported against this unless overridden.
 _PEAK_BF16_TFLOPS = {"H100": 989.5, "H200": 989.5, "H800": 989.5, "A100": 312.0}
+
+# A run longer than this many times [metrics] summary_end_step is summarised from summary_start_step
+# to its end: its first steps say little about the throughput of the whole run.
+LONG_RUN_FACTOR = 5
 
 
 def flops_per_token(args: Qwen3MoEArgs, seq_len: int) -> int:
@@ -36,6 +41,25 @@ def device_peak_tflops(device: torch.device, configured: float) -> float | None:
             if key in name:
                 return peak
     return None
+
+
+def summary_window(first: int, last: int, start: int, end: int) -> tuple[int, int, str]:
+    """The steps the end-of-run summary averages, for a run of steps ``first``..``last``, and a note
+    when they are not ``[metrics] summary_start_step``..``summary_end_step`` (``start``..``end``).
+
+    Steps count from the run's first (a resumed run warms up again, so it is measured the same way):
+    * a run of at least ``end`` steps: ``start``..``end``, the window benchmarks are compared on;
+    * a shorter run: from ``min(start, its middle)`` to its end, so the first step (compile and
+      allocator warm-up) is left out whenever there is another;
+    * a run longer than ``LONG_RUN_FACTOR x end`` steps: from ``start`` to its end."""
+    n = last - first + 1
+    if n < end:
+        lo, hi, note = min(start, n // 2 + 1), n, f"run shorter than the window {start}-{end}"
+    elif n > LONG_RUN_FACTOR * end:
+        lo, hi, note = start, n, f"run longer than {LONG_RUN_FACTOR} x the window {start}-{end}"
+    else:
+        lo, hi, note = start, end, ""
+    return first + lo - 1, first + hi - 1, note
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -63,6 +87,7 @@ class MetricsLogger:
             os.makedirs(self.log_dir, exist_ok=True)
             self.writer = SummaryWriter(self.log_dir)
         self._last = time.perf_counter()
+        self.final_loss: tuple[int, float] | None = None
 
     def start(self) -> None:
         """Mark the start of the first timed step (after model build and compile warm-up setup)."""
@@ -70,12 +95,17 @@ class MetricsLogger:
             torch.cuda.reset_peak_memory_stats(self.device)
         self._last = time.perf_counter()
 
-    def step_done(self, step: int) -> float:
-        """Record the wall time of ``step``; the caller has synchronised with the device."""
+    def step_done(self, step: int, loss: float) -> float:
+        """Record the wall time and loss of ``step``; the caller has synchronised with the device."""
         now = time.perf_counter()
         dt, self._last = now - self._last, now
         self.step_times[step] = dt
+        self.final_loss = (step, loss)
         return dt
+
+    def exclude_pause(self) -> None:
+        """Leave the time since the last step (a checkpoint save) out of the next step's time."""
+        self._last = time.perf_counter()
 
     def log(self, step: int, loss: float, aux_loss: float, grad_norm: float, lr: float) -> str:
         dt = self.step_times[step]
@@ -101,26 +131,23 @@ class MetricsLogger:
                 self.writer.add_scalar(f"expert_load/max_layer{i}", s["max"], step)
         return format_expert_load(step, stats)
 
-    def summary(self) -> str:
-        """Mean over the configured step window; a run too short for it falls back to every step
-        after the first (which carries compile and allocator warm-up), and says so."""
-        lo, hi = self.cfg.summary_start_step, self.cfg.summary_end_step
-        steps = [s for s in sorted(self.step_times) if lo <= s <= hi]
-        note = ""
-        if not steps:
-            ran = sorted(self.step_times)
-            steps = ran[1:] or ran
-            note = f" (window {lo}-{hi} not reached)"
-        if not steps:
+    def summary(self, outputs: list[str]) -> str:
+        """The closing lines: means over :func:`summary_window`, peak memory and the final loss, then
+        ``outputs`` (what the run wrote, e.g. ``"checkpoints a, b"``)."""
+        if not self.step_times:
             return "summary: no steps were run"
-        window = [self.step_times[s] for s in steps]
+        ran = sorted(self.step_times)
+        lo, hi, note = summary_window(ran[0], ran[-1], self.cfg.summary_start_step, self.cfg.summary_end_step)
+        window = [self.step_times[s] for s in ran if lo <= s <= hi]
         mean_dt = sum(window) / len(window)
         mean_tps = sum(self.tokens_per_step / t for t in window) / len(window)
         tflops = mean_tps * self.flops_per_token / 1e12
         mfu = f"{100 * tflops / self.peak_tflops:.1f}%" if self.peak_tflops else "n/a"
-        return (f"summary: steps {steps[0]}-{steps[-1]}{note}: mean tokens/s per device {mean_tps:,.0f}  "
-                f"mean step time {mean_dt:.3f}s  tflops {tflops:.2f}  mfu {mfu}  "
-                f"peak memory {peak_memory_gib(self.device):.2f}GiB")
+        step, loss = self.final_loss
+        return (f"summary: steps {lo}-{hi} (of {ran[0]}-{ran[-1]}{'; ' + note if note else ''}): mean tokens/s "
+                f"per device {mean_tps:,.0f}  mean step time {mean_dt:.3f}s  tflops {tflops:.2f}  mfu {mfu}  "
+                f"peak memory {peak_memory_gib(self.device):.2f}GiB  final loss {loss:.4f} (step {step})\n"
+                f"outputs: {'; '.join(outputs) or 'none'}")
 
     def close(self) -> None:
         if self.writer is not None:

@@ -52,6 +52,7 @@ MODULE_TIERS = {
     "test_moe_backends": "kernels",
     "test_profiling": "integration",
     "test_shadow_weights": "kernels",
+    "test_signals": "integration",
     "test_step_breakdown": "unit",
     "test_train": "integration",
     "test_weight_cache": "kernels",

@@ -52,11 +52,14 @@ def test_readme_command_runs_and_prints_summary(tmp_path):
     for s in steps.values():  # tokens/s is the step's tokens over its (printed, ms-rounded) time
         assert s["tps"] == pytest.approx(tokens / s["step_time"], rel=0.0006 / s["step_time"], abs=0.51)
     summary = next(line for line in out.stdout.splitlines() if line.startswith("summary:"))
-    assert summary.startswith("summary: steps 2-5 (window 6-20 not reached): mean tokens/s per device"), summary
+    assert summary.startswith("summary: steps 3-5 (of 1-5; run shorter than the window 6-20): mean tokens/s per "
+                              "device"), summary
+    assert summary.endswith(f"final loss {steps[5]['loss']:.4f} (step 5)"), summary
+    assert "\noutputs: no checkpoint ([checkpoint] enable = false)\ndone in " in out.stdout
     mean_tps = float(summary.split("mean tokens/s per device ")[1].split()[0].replace(",", ""))
     mean_dt = float(summary.split("mean step time ")[1].split("s")[0])
-    # Only step 5 of steps 2-5 is logged: its time is at most the sum of the four.
-    assert steps[5]["step_time"] <= 4 * mean_dt + 0.002
+    # Only step 5 of steps 3-5 is logged: its time is at most the sum of the three.
+    assert steps[5]["step_time"] <= 3 * mean_dt + 0.002
     assert tokens / mean_dt <= mean_tps * (1 + 1e-3) + 1  # mean of 1/t >= 1/mean of t (Jensen)
 
 
@@ -88,6 +91,21 @@ def test_chunked_loss_trains_like_full_logits(losses_of):
 
 
 @pytest.mark.unit
+@pytest.mark.unit
+@pytest.mark.parametrize("first, last, window", [
+    (1, 1, (1, 1)), (1, 2, (2, 2)), (1, 5, (3, 5)), (1, 12, (6, 12)),  # shorter than 6-20: its second half at most
+    (1, 20, (6, 20)), (1, 24, (6, 20)), (1, 100, (6, 20)),  # the benchmark window
+    (1, 101, (6, 101)), (1, 1000, (6, 1000)),  # longer than 5 x 20: to its end
+    (51, 100, (56, 70)), (51, 54, (53, 54)),  # a resumed run counts from its first step
+])
+def test_summary_window_follows_the_run_length(first, last, window):
+    from components.metrics import summary_window
+
+    lo, hi, note = summary_window(first, last, 6, 20)
+    assert (lo, hi) == window
+    assert bool(note) == ((last - first + 1) not in range(20, 101))
+
+
 def test_config_error_exits_before_model_is_built(capsys):
     assert main(["--config", "train_configs/debug_model.toml", "--training.stepz", "3"]) == 2
     assert "unknown key 'stepz' in [training]" in capsys.readouterr().err
