@@ -10,6 +10,7 @@ backward, clip, optimizer step, log, checkpoint.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 import os
 import random
@@ -31,7 +32,7 @@ from components.metrics import MetricsLogger, flops_per_token
 from components.optimizer import build_lr_scheduler, build_optimizer, folds_grad_scale
 from components.profiling import StepProfiler
 from components.tokenizer import TokenizerError, build_tokenizer
-from kernels.moe import available_moe_backends, resolve_moe_backend
+from kernels.moe import available_moe_backends, get_moe_backend, resolve_moe_backend
 from models.moe.router import TokenChoiceTopKRouter, update_expert_bias
 from models.qwen3.args import get_model_args
 from models.qwen3.model import Qwen3MoE, count_params
@@ -50,7 +51,8 @@ class ExpertCapacityError(RuntimeError):
 
 
 def check_implemented(cfg: JobConfig) -> None:
-    """Settings whose code has not landed yet stop the run here instead of being ignored."""
+    """Settings whose code has not landed yet, or that this machine cannot run, stop the run here
+    instead of being ignored or failing at the first step."""
     try:
         name = resolve_moe_backend(cfg.moe.backend, cfg.quantize.moe)
     except ValueError as exc:
@@ -59,12 +61,43 @@ def check_implemented(cfg: JobConfig) -> None:
         raise ConfigError(f"[quantize] moe = {cfg.quantize.moe!r} with [moe] backend = {cfg.moe.backend!r} "
                           f"(backend {name!r}) is not implemented yet; set [quantize] moe = \"none\" (bf16)")
     on_gpu = cfg.training.device != "cpu" and torch.cuda.is_available()
+    check_backend_runs(name, cfg.moe.backend, cfg.quantize.moe, on_gpu)
     if name == "mega_fp8" and on_gpu:
         # Correct on the H200 (its GPU tests pass) but slower than bf16 there: say so at start.
         print("warning: [quantize] moe = \"fp8_blockwise\" (the FP8 mega kernels) is correct but still slower "
               "than bf16 mega on the H200 (BENCHMARKS.md, docs/fp8.md); for speed use "
               "[quantize] moe = \"none\"",
               file=sys.stderr, flush=True)
+
+
+def check_backend_runs(name: str, backend: str, quantize: str, on_gpu: bool) -> None:
+    """The registered MoE backend ``name`` (``[moe] backend`` at ``[quantize] moe``) has its package
+    and a device it runs on."""
+    chosen = f"[moe] backend = {backend!r}" + (f" with [quantize] moe = {quantize!r}" if quantize != "none" else "")
+    on_cpu_use = "on CPU use [moe] backend = \"grouped_mm\" (or \"torch\")" + (
+        " with [quantize] moe = \"none\"" if quantize != "none" else "")
+    if name == "torchtitan":
+        try:
+            get_moe_backend(name)
+        except ImportError:
+            raise ConfigError(f"{chosen} runs upstream TorchTitan's expert code, which is not installed: "
+                              f"pip install \".[baseline]\" (torchtitan==0.2.2, torchao==0.16.0)"
+                              + ("" if on_gpu else f"; it also needs a CUDA device: {on_cpu_use}")) from None
+        if not on_gpu:
+            raise ConfigError(f"{chosen} needs a CUDA device (upstream's MoE does not run on CPU); {on_cpu_use}")
+    if name in ("mega", "mega_fp8"):
+        if importlib.util.find_spec("triton") is None:
+            raise ConfigError(f"{chosen} runs Triton kernels, and triton is not installed: pip install \".[kernels]\"")
+        if not on_gpu:
+            from kernels.triton_utils import interpreting
+
+            if not interpreting():
+                raise ConfigError(f"{chosen} runs Triton kernels on a CUDA GPU, and this run is on CPU; {on_cpu_use}. "
+                                  f"(Triton's CPU interpreter runs these kernels for the tests only: a step of the "
+                                  f"debug model takes many minutes in it)")
+            print(f"warning: {chosen} runs in Triton's CPU interpreter (TRITON_INTERPRET=1), which is meant for "
+                  f"the tests: only tiny runs finish (a step of the debug model takes many minutes)",
+                  file=sys.stderr, flush=True)
 
 
 def resolve_device(choice: str) -> torch.device:

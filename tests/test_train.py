@@ -253,7 +253,39 @@ def test_fp8_blockwise_warns_on_gpu_that_it_is_slow(monkeypatch, capsys):
     assert "slower than bf16 mega" in capsys.readouterr().err
     cfg.training.device = "cpu"
     check_implemented(cfg)
-    assert capsys.readouterr().err == ""
+    assert "slower than bf16" not in capsys.readouterr().err
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("quantize", ["none", "fp8_blockwise"])
+def test_mega_on_cpu_is_refused_outside_the_interpreter(monkeypatch, capsys, quantize):
+    """A CPU training run of the mega kernels stops at once with the backends that run there; under
+    the interpreter the tests switch on (TRITON_INTERPRET=1) it runs, with a warning."""
+    from train import check_implemented
+
+    args = ["--config", "train_configs/debug_model.toml", "--moe.backend", "mega", "--quantize.moe", quantize,
+            "--training.device", "cpu"]
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: [moe] backend = 'mega'"), err
+    assert "on CPU use [moe] backend = \"grouped_mm\"" in err and "for the tests only" in err
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg = JobConfig()
+    cfg.moe.backend, cfg.quantize.moe, cfg.training.device = "mega", quantize, "cpu"
+    check_implemented(cfg)
+    assert "Triton's CPU interpreter (TRITON_INTERPRET=1), which is meant for the tests" in capsys.readouterr().err
+
+
+@pytest.mark.unit
+def test_torchtitan_backend_without_its_package(capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("torchtitan") is not None:
+        pytest.skip("torchtitan is installed")
+    assert main(["--config", "train_configs/debug_model.toml", "--moe.backend", "torchtitan"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and 'not installed: pip install ".[baseline]"' in err, err
 
 
 @pytest.mark.parametrize("keep", ["attention", "attention_and_moe"])
