@@ -141,6 +141,10 @@ class Trainer:
             raise ConfigError(f"[training] global_batch_size = {global_bs} must be a multiple of local_batch_size "
                               f"({t.local_batch_size}) x data-parallel degree ({dp})")
         self.grad_accum_steps = global_bs // (t.local_batch_size * dp)
+        # The header comes before the long parts (tokenizing, building the model), which say how long they took.
+        log = (lambda line: print(line, flush=True)) if self.rank == 0 else None
+        if log:
+            log(self.describe())
 
         self.tokenizer = build_tokenizer(m.tokenizer_path)
         if self.tokenizer.vocab_size > self.model_args.vocab_size:
@@ -150,8 +154,9 @@ class Trainer:
         self.dataloader = build_dataloader(t.dataset_path, self.tokenizer, t.seq_len, t.local_batch_size,
                                            dp_rank=dp_rank, dp_world_size=dp, seed=t.seed,
                                            text_field=t.dataset_text_field, hf_config=t.dataset_config_name,
-                                           hf_split=t.dataset_split)
+                                           hf_split=t.dataset_split, log=log)
 
+        built = time.perf_counter()
         seed_everything(t.seed, t.deterministic)
         with torch.device("meta"):
             model = Qwen3MoE(self.model_args, moe_backend=resolve_moe_backend(cfg.moe.backend, cfg.quantize.moe),
@@ -166,6 +171,9 @@ class Trainer:
         self.optimizer = build_optimizer(model, cfg.optimizer, self.device.type)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, t.steps, cfg.lr_scheduler)
         self._enable_compute_weights(cfg)
+        if log:
+            log(f"built the model in {time.perf_counter() - built:.1f}s (expert weight cache "
+                f"{self.weight_cache_mode or 'off'})")
         self.checkpoint = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, model, self.optimizer,
                                             self.lr_scheduler, self.dataloader,
                                             model_identity(self.model_args, m.flavor))
@@ -220,13 +228,13 @@ class Trainer:
             self.caches_in_optimizer = sum(c.params == EXPERT_WEIGHTS for c in taken)
 
     def describe(self) -> str:
+        """The run header: what is trained where; printed before the data is tokenized."""
         total, active = count_params(self.model_args)
         a, d = self.model_args, self.parallel_dims
         return (f"{self.cfg.job.description}: Qwen3-MoE {self.cfg.model.flavor} ({a.n_layers} layers, dim {a.dim}, "
                 f"{a.num_experts} experts top-{a.top_k}, {total / 1e6:,.1f}M params, {active / 1e6:,.1f}M active) "
                 f"on {self.device}, MoE backend {self.cfg.moe.backend!r}, "
-                f"{self.cfg.training.mixed_precision_param}, expert weight cache "
-                f"{self.weight_cache_mode or 'off'}, grad accumulation {self.grad_accum_steps}, "
+                f"{self.cfg.training.mixed_precision_param}, grad accumulation {self.grad_accum_steps}, "
                 f"world {d.world_size} = dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} (EP {d.ep} within)")
 
     def train_step(self, data_iter) -> tuple[float, float, float]:
@@ -308,7 +316,6 @@ class Trainer:
     def train(self) -> None:
         t = self.cfg.training
         log = print if self.rank == 0 else (lambda *a, **k: None)
-        log(self.describe(), flush=True)
         self.step = self.checkpoint.maybe_load()
         if self.step:
             log(f"resumed from the checkpoint of step {self.step}", flush=True)
@@ -352,10 +359,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parse_args(argv)
         if cfg is None:
             return 0
-        trainer = Trainer(cfg)
         start = time.perf_counter()
+        trainer = Trainer(cfg)
+        setup = time.perf_counter() - start
         trainer.train()
-        print(f"done in {time.perf_counter() - start:.1f}s", flush=True)
+        if trainer.rank == 0:
+            print(f"done in {time.perf_counter() - start:.1f}s ({setup:.1f}s setup: tokenizer, data and model; "
+                  f"{time.perf_counter() - start - setup:.1f}s training and checkpoints)", flush=True)
     except (ConfigError, FileNotFoundError, CheckpointError, NotImplementedError, DataError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

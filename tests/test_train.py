@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from components.config import ConfigError, JobConfig
-from tests.utils import logged_steps, make_trainer, run_losses
+from tests.utils import ROOT, logged_steps, make_trainer, run_losses
 from train import NonFiniteLossError, main
 
 
@@ -28,13 +28,24 @@ def losses_of(tmp_path_factory):
 
 
 def test_readme_command_runs_and_prints_summary(tmp_path):
-    """``python train.py`` as the README runs it: the logged losses are those of the same steps
-    taken in this process, and the summary's means are the means of the logged per-step numbers."""
-    args = ["--config", "train_configs/debug_model.toml", "--training.steps", "5", "--training.seq_len", "64",
-            "--model.n_layers", "2", "--training.local_batch_size", "2"]
-    out = subprocess.run([sys.executable, "train.py", *args, "--job.dump_folder", str(tmp_path / "cli")],
-                         capture_output=True, text=True, timeout=300)
+    """``python train.py`` as the README runs it, started from another folder (the config's assets/
+    paths are found in the project folder): the header comes first, then tokenizing and the model
+    build with their times; the logged losses are those of the same steps taken in this process, and
+    the summary's means are the means of the logged per-step numbers."""
+    args = ["--training.steps", "5", "--training.seq_len", "64", "--model.n_layers", "2",
+            "--training.local_batch_size", "2"]
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config",
+                          str(ROOT / "train_configs" / "debug_model.toml"), *args, "--job.dump_folder", "cli"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    order = ["Qwen3-MoE debug model: Qwen3-MoE debug (2 layers", f"tokenizing {ROOT / 'assets/data/stories'} (",
+             f"tokenized {ROOT / 'assets/data/stories'}: 474,266 tokens in ", "built the model in ", "step:     1",
+             "summary:", "done in "]
+    at = [next(i for i, line in enumerate(lines) if line.startswith(start)) for start in order]
+    assert at == sorted(at) and at[0] == 0, out.stdout
+    assert "s setup: tokenizer, data and model; " in lines[-1], lines[-1]
+    args = ["--config", "train_configs/debug_model.toml", *args]
     steps = logged_steps(out.stdout)
     # debug_model.toml logs every 10 steps: the first and the last.
     assert sorted(steps) == [1, 5], out.stdout
