@@ -39,7 +39,7 @@ from models.qwen3.model import Qwen3MoE, count_params
 from parallelisms import parallelize_model
 from parallelisms.parallel_dims import build_parallel_dims
 from parallelisms.expert_parallel import finish_expert_grads
-from parallelisms.utils import clip_grad_norm_, clip_scale, init_distributed
+from parallelisms.utils import clip_grad_norm_, clip_scale, init_distributed, report_error
 
 
 class NonFiniteLossError(RuntimeError):
@@ -367,10 +367,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"done in {time.perf_counter() - start:.1f}s ({setup:.1f}s setup: tokenizer, data and model; "
                   f"{time.perf_counter() - start - setup:.1f}s training and checkpoints)", flush=True)
     except (ConfigError, FileNotFoundError, CheckpointError, NotImplementedError, DataError, TokenizerError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        report_error(str(e))  # once per job under torchrun, not once per rank
         return 2
     except (NonFiniteLossError, ExpertCapacityError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        report_error(str(e))
         return 1
     finally:
         # Destroy the process groups while the interpreter is whole: left to finalization, gloo
