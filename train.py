@@ -50,6 +50,12 @@ class ExpertCapacityError(RuntimeError):
     pass
 
 
+def warn(message: str) -> None:
+    """A warning line on stderr, from rank 0 only (before the process group exists, by RANK)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
 def check_implemented(cfg: JobConfig) -> None:
     """Settings whose code has not landed yet, or that this machine cannot run, stop the run here
     instead of being ignored or failing at the first step."""
@@ -64,10 +70,8 @@ def check_implemented(cfg: JobConfig) -> None:
     check_backend_runs(name, cfg.moe.backend, cfg.quantize.moe, on_gpu)
     if name == "mega_fp8" and on_gpu:
         # Correct on the H200 (its GPU tests pass) but slower than bf16 there: say so at start.
-        print("warning: [quantize] moe = \"fp8_blockwise\" (the FP8 mega kernels) is correct but still slower "
-              "than bf16 mega on the H200 (BENCHMARKS.md, docs/fp8.md); for speed use "
-              "[quantize] moe = \"none\"",
-              file=sys.stderr, flush=True)
+        warn("[quantize] moe = \"fp8_blockwise\" (the FP8 mega kernels) is correct but still slower than bf16 "
+             "mega on the H200 (BENCHMARKS.md, docs/fp8.md); for speed use [quantize] moe = \"none\"")
 
 
 def check_backend_runs(name: str, backend: str, quantize: str, on_gpu: bool) -> None:
@@ -95,9 +99,8 @@ def check_backend_runs(name: str, backend: str, quantize: str, on_gpu: bool) -> 
                 raise ConfigError(f"{chosen} runs Triton kernels on a CUDA GPU, and this run is on CPU; {on_cpu_use}. "
                                   f"(Triton's CPU interpreter runs these kernels for the tests only: a step of the "
                                   f"debug model takes many minutes in it)")
-            print(f"warning: {chosen} runs in Triton's CPU interpreter (TRITON_INTERPRET=1), which is meant for "
-                  f"the tests: only tiny runs finish (a step of the debug model takes many minutes)",
-                  file=sys.stderr, flush=True)
+            warn(f"{chosen} runs in Triton's CPU interpreter (TRITON_INTERPRET=1), which is meant for the tests: "
+                 f"only tiny runs finish (a step of the debug model takes many minutes)")
 
 
 def resolve_device(choice: str) -> torch.device:
@@ -363,9 +366,10 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(cfg)
         setup = time.perf_counter() - start
         trainer.train()
+        total = time.perf_counter() - start
         if trainer.rank == 0:
-            print(f"done in {time.perf_counter() - start:.1f}s ({setup:.1f}s setup: tokenizer, data and model; "
-                  f"{time.perf_counter() - start - setup:.1f}s training and checkpoints)", flush=True)
+            print(f"done in {total:.1f}s ({setup:.1f}s setup: tokenizer, data and model; {total - setup:.1f}s "
+                  f"training and checkpoints)", flush=True)
     except (ConfigError, FileNotFoundError, CheckpointError, NotImplementedError, DataError, TokenizerError) as e:
         report_error(str(e))  # once per job under torchrun, not once per rank
         return 2
