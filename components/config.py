@@ -438,7 +438,7 @@ def _resolve_input_paths(cfg: JobConfig, config_path: str | None, sources: dict[
     a path found in the working directory is left as written. A missing dataset or tokenizer stops
     here with the paths tried; a missing ``initial_load_path`` is reported only by a run that reads it
     (a resumed run does not)."""
-    for section, sf in _sections().items():
+    for section in _sections():
         obj = getattr(cfg, section)
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)
@@ -452,7 +452,7 @@ def _resolve_input_paths(cfg: JobConfig, config_path: str | None, sources: dict[
             tried = list(dict.fromkeys((base / path).resolve() for base in bases))
             found = next((c for c in tried if c.exists()), None)
             if found is not None:
-                if found != tried[0]:
+                if found != tried[0] or value.startswith("~"):
                     setattr(obj, f.name, str(found))
             elif (section, f.name) == ("checkpoint", "initial_load_path"):
                 setattr(obj, f.name, str(tried[0]))

@@ -201,7 +201,7 @@ def test_ep_capacity_overflow_is_reported_with_chunks(reference, tmp_path):
 def test_expert_parallel_chunks_must_be_positive():
     from components.config import ConfigError, parse_args
 
-    with pytest.raises(ConfigError, match=r"command line: \[experimental\] expert_parallel_chunks = 0 is out of "
+    with pytest.raises(ConfigError, match=r"command line: --experimental.expert_parallel_chunks 0 is out of "
                                           r"range: must be >= 1"):
         parse_args(BASE + ["--experimental.expert_parallel_chunks", "0"])
 
