@@ -11,6 +11,7 @@ checkpoint (components/signals.py).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 import os
 import random
@@ -35,14 +36,14 @@ from components.optimizer import build_lr_scheduler, build_optimizer, folds_grad
 from components.profiling import StepProfiler
 from components.signals import GracefulStop, Interrupted, interruptible
 from components.tokenizer import TokenizerError, build_tokenizer
-from kernels.moe import available_moe_backends, resolve_moe_backend
+from kernels.moe import available_moe_backends, get_moe_backend, resolve_moe_backend
 from models.moe.router import TokenChoiceTopKRouter, update_expert_bias
 from models.qwen3.args import get_model_args
 from models.qwen3.model import Qwen3MoE, count_params
 from parallelisms import parallelize_model
 from parallelisms.parallel_dims import build_parallel_dims
 from parallelisms.expert_parallel import finish_expert_grads
-from parallelisms.utils import clip_grad_norm_, clip_scale, init_distributed
+from parallelisms.utils import clip_grad_norm_, clip_scale, init_distributed, report_error
 
 
 class NonFiniteLossError(RuntimeError):
@@ -53,8 +54,15 @@ class ExpertCapacityError(RuntimeError):
     pass
 
 
+def warn(message: str) -> None:
+    """A warning line on stderr, from rank 0 only (before the process group exists, by RANK)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
 def check_implemented(cfg: JobConfig) -> None:
-    """Settings whose code has not landed yet stop the run here instead of being ignored."""
+    """Settings whose code has not landed yet, or that this machine cannot run, stop the run here
+    instead of being ignored or failing at the first step."""
     try:
         name = resolve_moe_backend(cfg.moe.backend, cfg.quantize.moe)
     except ValueError as exc:
@@ -63,12 +71,40 @@ def check_implemented(cfg: JobConfig) -> None:
         raise ConfigError(f"[quantize] moe = {cfg.quantize.moe!r} with [moe] backend = {cfg.moe.backend!r} "
                           f"(backend {name!r}) is not implemented yet; set [quantize] moe = \"none\" (bf16)")
     on_gpu = cfg.training.device != "cpu" and torch.cuda.is_available()
+    check_backend_runs(name, cfg.moe.backend, cfg.quantize.moe, on_gpu)
     if name == "mega_fp8" and on_gpu:
         # Correct on the H200 (its GPU tests pass) but slower than bf16 there: say so at start.
-        print("warning: [quantize] moe = \"fp8_blockwise\" (the FP8 mega kernels) is correct but still slower "
-              "than bf16 mega on the H200 (BENCHMARKS.md, docs/fp8.md); for speed use "
-              "[quantize] moe = \"none\"",
-              file=sys.stderr, flush=True)
+        warn("[quantize] moe = \"fp8_blockwise\" (the FP8 mega kernels) is correct but still slower than bf16 "
+             "mega on the H200 (BENCHMARKS.md, docs/fp8.md); for speed use [quantize] moe = \"none\"")
+
+
+def check_backend_runs(name: str, backend: str, quantize: str, on_gpu: bool) -> None:
+    """The registered MoE backend ``name`` (``[moe] backend`` at ``[quantize] moe``) has its package
+    and a device it runs on."""
+    chosen = f"[moe] backend = {backend!r}" + (f" with [quantize] moe = {quantize!r}" if quantize != "none" else "")
+    on_cpu_use = "on CPU use [moe] backend = \"grouped_mm\" (or \"torch\")" + (
+        " with [quantize] moe = \"none\"" if quantize != "none" else "")
+    if name == "torchtitan":
+        try:
+            get_moe_backend(name)
+        except ImportError:
+            raise ConfigError(f"{chosen} runs upstream TorchTitan's expert code, which is not installed: "
+                              f"pip install \".[baseline]\" (torchtitan==0.2.2, torchao==0.16.0)"
+                              + ("" if on_gpu else f"; it also needs a CUDA device: {on_cpu_use}")) from None
+        if not on_gpu:
+            raise ConfigError(f"{chosen} needs a CUDA device (upstream's MoE does not run on CPU); {on_cpu_use}")
+    if name in ("mega", "mega_fp8"):
+        if importlib.util.find_spec("triton") is None:
+            raise ConfigError(f"{chosen} runs Triton kernels, and triton is not installed: pip install \".[kernels]\"")
+        if not on_gpu:
+            from kernels.triton_utils import interpreting
+
+            if not interpreting():
+                raise ConfigError(f"{chosen} runs Triton kernels on a CUDA GPU, and this run is on CPU; {on_cpu_use}. "
+                                  f"(Triton's CPU interpreter runs these kernels for the tests only: a step of the "
+                                  f"debug model takes many minutes in it)")
+            warn(f"{chosen} runs in Triton's CPU interpreter (TRITON_INTERPRET=1), which is meant for the tests: "
+                 f"only tiny runs finish (a step of the debug model takes many minutes)")
 
 
 def resolve_device(choice: str) -> torch.device:
@@ -115,6 +151,10 @@ class Trainer:
         self.grad_accum_steps = global_bs // (t.local_batch_size * dp)
         # An unwritable output folder or a disk too small for a checkpoint: now, not at the first save.
         check_output_folders(cfg, count_params(self.model_args)[0])
+        # The header comes before the long parts (tokenizing, building the model), which say how long they took.
+        log = (lambda line: print(line, flush=True)) if self.rank == 0 else None
+        if log:
+            log(self.describe())
 
         self.tokenizer = build_tokenizer(m.tokenizer_path)
         if self.tokenizer.vocab_size > self.model_args.vocab_size:
@@ -124,8 +164,9 @@ class Trainer:
         self.dataloader = build_dataloader(t.dataset_path, self.tokenizer, t.seq_len, t.local_batch_size,
                                            dp_rank=dp_rank, dp_world_size=dp, seed=t.seed,
                                            text_field=t.dataset_text_field, hf_config=t.dataset_config_name,
-                                           hf_split=t.dataset_split)
+                                           hf_split=t.dataset_split, log=log)
 
+        built = time.perf_counter()
         seed_everything(t.seed, t.deterministic)
         with torch.device("meta"):
             model = Qwen3MoE(self.model_args, moe_backend=resolve_moe_backend(cfg.moe.backend, cfg.quantize.moe),
@@ -140,6 +181,9 @@ class Trainer:
         self.optimizer = build_optimizer(model, cfg.optimizer, self.device.type)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, t.steps, cfg.lr_scheduler)
         self._enable_compute_weights(cfg)
+        if log:
+            log(f"built the model in {time.perf_counter() - built:.1f}s (expert weight cache "
+                f"{self.weight_cache_mode or 'off'})")
         self.checkpoint = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, model, self.optimizer,
                                             self.lr_scheduler, self.dataloader,
                                             model_identity(self.model_args, m.flavor), run_steps=t.steps)
@@ -198,13 +242,13 @@ class Trainer:
             self.caches_in_optimizer = sum(c.params == EXPERT_WEIGHTS for c in taken)
 
     def describe(self) -> str:
+        """The run header: what is trained where; printed before the data is tokenized."""
         total, active = count_params(self.model_args)
         a, d = self.model_args, self.parallel_dims
         return (f"{self.cfg.job.description}: Qwen3-MoE {self.cfg.model.flavor} ({a.n_layers} layers, dim {a.dim}, "
                 f"{a.num_experts} experts top-{a.top_k}, {total / 1e6:,.1f}M params, {active / 1e6:,.1f}M active) "
                 f"on {self.device}, MoE backend {self.cfg.moe.backend!r}, "
-                f"{self.cfg.training.mixed_precision_param}, expert weight cache "
-                f"{self.weight_cache_mode or 'off'}, grad accumulation {self.grad_accum_steps}, "
+                f"{self.cfg.training.mixed_precision_param}, grad accumulation {self.grad_accum_steps}, "
                 f"world {d.world_size} = dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} (EP {d.ep} within)")
 
     def train_step(self, data_iter) -> tuple[float, float, float]:
@@ -288,7 +332,6 @@ class Trainer:
         for: every rank finishes the same step, a checkpoint of it is saved, and the loop ends."""
         t = self.cfg.training
         log = self.log
-        log(self.describe(), flush=True)
         self.step = self.checkpoint.maybe_load()
         if self.step:
             log(f"resumed from the checkpoint of step {self.step}", flush=True)
@@ -444,10 +487,10 @@ def main(argv: list[str] | None = None) -> int:
             trainer.log(trainer.end_line(started, stopped_by), flush=True)
             return 128 + stopped_by if stopped_by else 0
     except (ConfigError, FileNotFoundError, CheckpointError, NotImplementedError, DataError, TokenizerError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        report_error(str(e))  # once per job under torchrun, not once per rank
         return 2
     except (NonFiniteLossError, ExpertCapacityError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        report_error(str(e))
         return 1
     except Interrupted as e:
         if os.environ.get("RANK", "0") == "0":

@@ -5,7 +5,14 @@
 Every field of every section can be overridden on the command line as ``--section.key value``
 (``--section.key=value`` works too; a bool field given alone means true). Values are checked
 against the field's type, choices and range before anything is built; any problem raises one
-:class:`ConfigError` naming the file (or the command line), the key and what is allowed.
+:class:`ConfigError` naming where the value was set (the file, or the command line and its flag),
+the key and what is allowed.
+
+Relative input paths (``[model] tokenizer_path``, ``[training] dataset_path``,
+``[checkpoint] initial_load_path``) set in the TOML file are looked up in the working directory,
+then beside the config file, then in the project folder, so the shipped configs' ``assets/...``
+work from any directory; a path given on the command line is relative to the working directory
+only. A dataset or tokenizer found nowhere stops the run with the paths tried.
 ``python train.py --help`` prints every section and field with its default.
 """
 
@@ -28,9 +35,22 @@ class ConfigError(ValueError):
     """A configuration problem, reported to the user as one message (no traceback)."""
 
 
+# The folder holding train.py and the shipped assets/, the last place a relative path is looked for.
+PROJECT_DIR = Path(__file__).resolve().parent.parent
+CLI = "command line"
+# How a relative input path (a field made with input_path=True) is found; the config reference shows it.
+PATH_RULE = ("relative: looked up in the working directory, then beside the config file, then in the project "
+             "folder (which holds assets/); from the command line, in the working directory only")
+
+
 def _field(default: Any, help: str, *, choices: tuple | None = None, ge: float | None = None,
-           gt: float | None = None, le: float | None = None) -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le})
+           gt: float | None = None, le: float | None = None, input_path: bool = False) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le,
+                                            "input_path": input_path})
+
+
+def _help(f: dataclasses.Field) -> str:
+    return f.metadata["help"] + (f"; {PATH_RULE}" if f.metadata.get("input_path") else "")
 
 
 @dataclass
@@ -46,7 +66,8 @@ class Model:
     n_layers: int = _field(0, "number of transformer blocks; 0 keeps the flavor's own", ge=0)
     rope_theta: float = _field(1e6, "RoPE base (Qwen3 base models: 1e6; the 235B -2507 release: 5e6)", gt=0)
     tokenizer_path: str = _field("assets/tokenizer/tokenizer.model", "sentencepiece .model file, Hugging Face "
-                                 "tokenizer.json, or a folder holding one (e.g. a downloaded Qwen3 release)")
+                                 "tokenizer.json, or a folder holding one (e.g. a downloaded Qwen3 release)",
+                                 input_path=True)
     attention_backend: str = _field("auto", "SDPA kernel preference: auto lets SDPA choose (cuDNN on the H200 with "
                                     "torch 2.11, faster than flash at seq len 16384: BENCHMARKS.md)",
                                     choices=("auto", "cudnn", "flash", "math"))
@@ -72,7 +93,7 @@ class MoE:
 class Training:
     dataset_path: str = _field("assets/data/stories", "a .txt (a document per line), .jsonl or .parquet file, a "
                                "folder of them, a folder of pre-tokenized .bin shards (scripts/pretokenize.py), "
-                               "or hf:<name> to stream a Hugging Face dataset")
+                               "or hf:<name> to stream a Hugging Face dataset", input_path=True)
     dataset_text_field: str = _field("text", "JSON-lines field / Parquet column / HF dataset field holding the text")
     dataset_config_name: str = _field("", "hf: datasets only: the dataset's config (subset) name; empty = none")
     dataset_split: str = _field("train", "hf: datasets only: the split to stream")
@@ -174,7 +195,8 @@ class Checkpoint:
     async_mode: str = _field("disabled", "async: write checkpoints in a background thread after staging them in "
                              "CPU memory (the folder appears only once written)", choices=("disabled", "async"))
     initial_load_path: str = _field("", "weights to start from when there is no checkpoint to resume: a folder "
-                                    "of HF safetensors or a DCP checkpoint folder; model weights only")
+                                    "of HF safetensors or a DCP checkpoint folder; model weights only",
+                                    input_path=True)
     initial_load_format: str = _field("hf", "format of initial_load_path", choices=("hf", "dcp"))
 
 
@@ -259,9 +281,15 @@ def _field_type(section_cls: type, f: dataclasses.Field) -> type:
     return typing.get_type_hints(section_cls)[f.name]
 
 
+def _show(where: str, section: str, key: str, value: Any = None) -> str:
+    """A key (and its value) as the user wrote it: ``--section.key`` on the command line, else TOML."""
+    if where == CLI:
+        return f"--{section}.{key}" + ("" if value is None else f" {value!r}")
+    return f"[{section}] {key}" + ("" if value is None else f" = {value!r}")
+
+
 def _check_value(where: str, section: str, key: str, f: dataclasses.Field, ftype: type, value: Any) -> Any:
     """Type- and range-check one value; returns it converted (an int for a float field becomes float)."""
-    name = f"[{section}] {key}"
     if ftype is bool:
         ok = isinstance(value, bool)
     elif ftype is int:
@@ -271,20 +299,22 @@ def _check_value(where: str, section: str, key: str, f: dataclasses.Field, ftype
         value = float(value) if ok else value
     else:
         ok = isinstance(value, ftype)
+    name = _show(where, section, key, value)
     if not ok:
-        raise ConfigError(f"{where}: {name} = {value!r} has the wrong type: expected {ftype.__name__}")
+        raise ConfigError(f"{where}: {name} has the wrong type: expected {ftype.__name__}")
     meta = f.metadata
     if meta.get("choices") is not None and value not in meta["choices"]:
         allowed = ", ".join(repr(c) for c in meta["choices"])
-        raise ConfigError(f"{where}: {name} = {value!r} is not allowed; choose one of {allowed}")
+        raise ConfigError(f"{where}: {name} is not allowed; choose one of {allowed}")
     for bound, test, text in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
                               ("le", lambda v, b: v <= b, "<=")):
         if meta.get(bound) is not None and not test(value, meta[bound]):
-            raise ConfigError(f"{where}: {name} = {value!r} is out of range: must be {text} {meta[bound]}")
+            raise ConfigError(f"{where}: {name} is out of range: must be {text} {meta[bound]}")
     return value
 
 
-def _apply_section(cfg: JobConfig, where: str, section: str, values: dict[str, Any]) -> None:
+def _apply_section(cfg: JobConfig, where: str, section: str, values: dict[str, Any],
+                   sources: dict[tuple[str, str], str]) -> None:
     sections = _sections()
     if section not in sections:
         raise ConfigError(f"{where}: unknown section [{section}]; allowed sections: {', '.join(sections)}")
@@ -295,6 +325,7 @@ def _apply_section(cfg: JobConfig, where: str, section: str, values: dict[str, A
             raise _unknown_key(where, section, key, fields)
         f = fields[key]
         setattr(obj, key, _check_value(where, section, key, f, _field_type(type(obj), f), value))
+        sources[section, key] = where
 
 
 def _parse_cli_value(ftype: type, text: str, flag: str) -> Any:
@@ -331,7 +362,7 @@ def _parse_overrides(args: list[str]) -> list[tuple[str, str, Any]]:
         section_cls = sections[section].default_factory
         fields = _section_fields(section_cls)
         if key not in fields:
-            raise _unknown_key("command line", section, key, fields)
+            raise _unknown_key(CLI, section, key, fields)
         ftype = _field_type(section_cls, fields[key])
         if eq:
             text = inline
@@ -349,8 +380,10 @@ def _parse_overrides(args: list[str]) -> list[tuple[str, str, Any]]:
 
 
 def load_config(config_path: str | None, overrides: list[str] | None = None) -> JobConfig:
-    """Defaults, then the TOML file, then command-line overrides; every value checked on the way."""
+    """Defaults, then the TOML file, then command-line overrides; every value checked on the way,
+    relative input paths resolved (:data:`PATH_RULE`)."""
     cfg = JobConfig()
+    sources: dict[tuple[str, str], str] = {}  # (section, key) -> the config file or CLI, for messages
     if config_path is not None:
         path = Path(config_path)
         if not path.is_file():
@@ -363,32 +396,72 @@ def load_config(config_path: str | None, overrides: list[str] | None = None) -> 
             if not isinstance(values, dict):
                 raise ConfigError(f"{config_path}: top-level key {section!r} must be a [section]; "
                                   f"allowed sections: {', '.join(_sections())}")
-            _apply_section(cfg, config_path, section, values)
+            _apply_section(cfg, config_path, section, values, sources)
     for section, key, value in _parse_overrides(overrides or []):
-        _apply_section(cfg, "command line", section, {key: value})
-    _check_consistency(cfg, config_path or "command line")
+        _apply_section(cfg, CLI, section, {key: value}, sources)
+    _check_consistency(cfg, sources)
+    _resolve_input_paths(cfg, config_path, sources)
     return cfg
 
 
-def _check_consistency(cfg: JobConfig, where: str) -> None:
-    """Checks that involve more than one field."""
+def _where(sources: dict[tuple[str, str], str], *keys: tuple[str, str]) -> str:
+    """Where the values of ``keys`` were set, for a message about them together."""
+    found = list(dict.fromkeys(sources[k] for k in keys if k in sources))
+    return " and ".join(found) or "defaults"
+
+
+def _check_consistency(cfg: JobConfig, sources: dict[tuple[str, str], str]) -> None:
+    """Checks that involve more than one field, blamed on where the fields were set."""
     m = cfg.metrics
     if m.summary_end_step < m.summary_start_step:
-        raise ConfigError(f"{where}: [metrics] summary_end_step ({m.summary_end_step}) must be >= "
+        raise ConfigError(f"{_where(sources, ('metrics', 'summary_end_step'), ('metrics', 'summary_start_step'))}: "
+                          f"[metrics] summary_end_step ({m.summary_end_step}) must be >= "
                           f"summary_start_step ({m.summary_start_step})")
     t = cfg.training
     if t.global_batch_size == 0:  # the range check already allows only -1 or more
-        raise ConfigError(f"{where}: [training] global_batch_size must be -1 or >= 1, got {t.global_batch_size}")
+        where = _where(sources, ("training", "global_batch_size"))
+        raise ConfigError(f"{where}: {_show(where, 'training', 'global_batch_size', 0)} is not allowed: "
+                          f"-1 or >= 1")
     ac = cfg.activation_checkpoint
     if ac.keep != "none" and ac.mode == "none":
-        raise ConfigError(f"{where}: [activation_checkpoint] keep = {ac.keep!r} keeps ops of checkpointed blocks, but "
+        raise ConfigError(f"{_where(sources, ('activation_checkpoint', 'keep'), ('activation_checkpoint', 'mode'))}: "
+                          f"[activation_checkpoint] keep = {ac.keep!r} keeps ops of checkpointed blocks, but "
                           f"mode = \"none\" checkpoints nothing; set mode = \"full\" (or \"selective\"), or "
                           f"keep = \"none\"")
     from kernels.moe import available_moe_backends
 
     if cfg.moe.backend not in available_moe_backends():
-        raise ConfigError(f"{where}: [moe] backend = {cfg.moe.backend!r} is not a registered MoE backend; "
-                          f"choose one of {', '.join(available_moe_backends())}")
+        where = _where(sources, ("moe", "backend"))
+        raise ConfigError(f"{where}: {_show(where, 'moe', 'backend', cfg.moe.backend)} is not a registered MoE "
+                          f"backend; choose one of {', '.join(available_moe_backends())}")
+
+
+def _resolve_input_paths(cfg: JobConfig, config_path: str | None, sources: dict[tuple[str, str], str]) -> None:
+    """Each relative input path becomes the first of its candidates that exists (:data:`PATH_RULE`);
+    a path found in the working directory is left as written. A missing dataset or tokenizer stops
+    here with the paths tried; a missing ``initial_load_path`` is reported only by a run that reads it
+    (a resumed run does not)."""
+    for section in _sections():
+        obj = getattr(cfg, section)
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if not f.metadata.get("input_path") or not value or value.startswith("hf:"):
+                continue
+            where = sources.get((section, f.name), "defaults")
+            path = Path(value).expanduser()
+            bases = [Path.cwd()]
+            if where != CLI:
+                bases += ([Path(config_path).resolve().parent] if config_path else []) + [PROJECT_DIR]
+            tried = list(dict.fromkeys((base / path).resolve() for base in bases))
+            found = next((c for c in tried if c.exists()), None)
+            if found is not None:
+                if found != tried[0] or value.startswith("~"):
+                    setattr(obj, f.name, str(found))
+            elif (section, f.name) == ("checkpoint", "initial_load_path"):
+                setattr(obj, f.name, str(tried[0]))
+            else:
+                tried_text = str(tried[0]) if len(tried) == 1 else "tried " + ", ".join(map(str, tried))
+                raise ConfigError(f"{where}: {_show(where, section, f.name, value)} not found ({tried_text})")
 
 
 def config_help() -> str:
@@ -404,7 +477,7 @@ def config_help() -> str:
             if f.metadata.get("choices"):
                 extra = f" (one of: {', '.join(map(str, f.metadata['choices']))})"
             lines.append(f"  --{section}.{f.name} {ftype.__name__} = {f.default!r}{extra}")
-            lines.append(f"      {f.metadata['help']}")
+            lines.append(f"      {_help(f)}")
         lines.append("")
     return "\n".join(lines)
 
@@ -446,7 +519,7 @@ def config_markdown() -> str:
         section_cls = sf.default_factory
         out += [f"**[{section}]**", "", "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
         for f in dataclasses.fields(section_cls):
-            meaning = f.metadata["help"].replace("|", "\\|")
+            meaning = _help(f).replace("|", "\\|")
             if f.metadata.get("choices"):
                 meaning += " (one of: " + ", ".join(f"`{c}`" for c in f.metadata["choices"]) + ")"
             out.append(f"| `{f.name}` | {_field_type(section_cls, f).__name__} | `{f.default!r}` | {meaning} |")

@@ -40,6 +40,7 @@ from __future__ import annotations
 import itertools
 import json
 import struct
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -319,34 +320,36 @@ def dataset_files(dataset_path: str | Path) -> list[Path]:
 text_files = dataset_files  # the name before other formats existed
 
 
-def _iter_jsonl(path: Path, text_field: str) -> Iterator[str]:
-    with path.open("r", encoding="utf-8") as f:
-        try:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{lineno}: not a JSON object ({e.msg}); JSON-lines files hold one "
-                                    f"object per line") from None
-                if not isinstance(record, dict):
-                    raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
-                if text_field not in record:
-                    raise DataError(f"{path}:{lineno}: no {text_field!r} field (keys: {', '.join(record)}); set "
-                                    f"[training] dataset_text_field to the field that holds the text")
-                text = record[text_field]
-                if text is None:
-                    continue
-                if not isinstance(text, str):
-                    raise DataError(f"{path}:{lineno}: field {text_field!r} is {type(text).__name__}, not a string")
-                if text.strip():
-                    yield text
-        except UnicodeDecodeError as e:
-            raise DataError(f"dataset file {path} is not valid UTF-8: {e}") from None
+def _iter_jsonl(path: Path, text_field: str, on_bytes: Callable[[int], None]) -> Iterator[str]:
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            on_bytes(len(raw))
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not valid UTF-8 ({e.reason} at byte {e.start} of the line)") from None
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not a JSON object ({e.msg}); JSON-lines files hold one "
+                                f"object per line") from None
+            if not isinstance(record, dict):
+                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+            if text_field not in record:
+                raise DataError(f"{path}:{lineno}: no {text_field!r} field (keys: {', '.join(record)}); set "
+                                f"[training] dataset_text_field to the field that holds the text")
+            text = record[text_field]
+            if text is None:
+                continue
+            if not isinstance(text, str):
+                raise DataError(f"{path}:{lineno}: field {text_field!r} is {type(text).__name__}, not a string")
+            if text.strip():
+                yield text
 
 
-def _iter_parquet(path: Path, text_field: str) -> Iterator[str]:
+def _iter_parquet(path: Path, text_field: str, on_bytes: Callable[[int], None]) -> Iterator[str]:
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -363,30 +366,47 @@ def _iter_parquet(path: Path, text_field: str) -> Iterator[str]:
     ftype = pf.schema_arrow.field(text_field).type
     if not (pa.types.is_string(ftype) or pa.types.is_large_string(ftype)):
         raise DataError(f"{path}: column {text_field!r} is {ftype}, not a string column")
-    for i in range(pf.num_row_groups):  # one row group at a time: large files stay out of memory
+    size, groups = path.stat().st_size, pf.num_row_groups
+    for i in range(groups):  # one row group at a time: large files stay out of memory
+        on_bytes(size * (i + 1) // groups - size * i // groups)  # the file's share of this group
         for text in pf.read_row_group(i, columns=[text_field]).column(0).to_pylist():
             if text is not None and text.strip():
                 yield text
 
 
-def _iter_txt(path: Path) -> Iterator[str]:
+def _iter_txt(path: Path, on_bytes: Callable[[int], None]) -> Iterator[str]:
+    raw = path.read_bytes()
     try:
-        text = path.read_text(encoding="utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise DataError(f"dataset file {path} is not valid UTF-8: {e}") from e
-    yield from (line.strip() for line in text.split("\n") if line.strip())
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path}:{line}: not valid UTF-8 ({e.reason}); the dataset's text files must be UTF-8") from None
+    lines = text.split("\n")
+    bytes_per_line = len(raw) / max(len(lines), 1)  # an average is enough for a progress line
+    for i, line in enumerate(lines):
+        if i % 1024 == 0:
+            on_bytes(round(bytes_per_line * min(1024, len(lines) - i)))
+        line = line.strip()
+        if line:
+            yield line
 
 
-def iter_documents(files: Sequence[Path], text_field: str = "text") -> Iterator[str]:
-    """Every document of every (text-format) file, in order."""
+def _ignore(nbytes: int) -> None:
+    pass
+
+
+def iter_documents(files: Sequence[Path], text_field: str = "text",
+                   on_bytes: Callable[[int], None] = _ignore) -> Iterator[str]:
+    """Every document of every (text-format) file, in order; ``on_bytes(n)`` is told as the files'
+    bytes are read (for progress lines)."""
     for f in files:
         kind = TEXT_SUFFIXES.get(f.suffix)
         if kind == "text":
-            yield from _iter_txt(f)
+            yield from _iter_txt(f, on_bytes)
         elif kind == "jsonl":
-            yield from _iter_jsonl(f, text_field)
+            yield from _iter_jsonl(f, text_field, on_bytes)
         elif kind == "parquet":
-            yield from _iter_parquet(f, text_field)
+            yield from _iter_parquet(f, text_field, on_bytes)
         else:
             raise DataError(f"{f} is not a text-format dataset file")
 
@@ -395,15 +415,64 @@ def read_documents(files: Sequence[Path], text_field: str = "text") -> list[str]
     return list(iter_documents(files, text_field))
 
 
-def tokenize_documents(docs: Sequence[str], tokenizer: Tokenizer) -> torch.Tensor:
-    """``[bos] + encode(doc) + [eos]`` for every document, concatenated: int32 [T]."""
+def encode_documents(docs: Sequence[str], tokenizer: Tokenizer) -> list[list[int]]:
+    """``[bos] + encode(doc) + [eos]`` for each document (in one batched call where the tokenizer has one)."""
     if hasattr(tokenizer, "encode_batch"):
-        ids = tokenizer.encode_batch(docs, bos=True, eos=True)
-    else:
-        ids = [tokenizer.encode(d, bos=True, eos=True) for d in docs]
-    total = sum(len(x) for x in ids)
-    stream = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=total)
-    return torch.from_numpy(stream)
+        return tokenizer.encode_batch(docs, bos=True, eos=True)
+    return [tokenizer.encode(d, bos=True, eos=True) for d in docs]
+
+
+def tokenize_documents(docs: Iterable[str], tokenizer: Tokenizer, progress: TokenizeProgress | None = None,
+                       docs_per_batch: int = 4096) -> torch.Tensor:
+    """``[bos] + encode(doc) + [eos]`` for every document, concatenated: int32 [T]. Encoded in
+    batches of ``docs_per_batch`` documents, each reported to ``progress``."""
+    parts = []
+    docs = iter(docs)
+    while batch := list(itertools.islice(docs, docs_per_batch)):
+        ids = encode_documents(batch, tokenizer)
+        total = sum(len(x) for x in ids)
+        parts.append(np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=total))
+        if progress is not None:
+            progress.add_tokens(total)
+    return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32))
+
+
+class TokenizeProgress:
+    """Progress of a long tokenization, as lines: ``tokenizing <what> (N MB) ...`` at the start,
+    one every ``every_s`` seconds while it runs, and ``tokenized ...`` with the time at the end.
+    ``log`` None prints nothing (the counts are still kept)."""
+
+    def __init__(self, what: str, total_bytes: int, log: Callable[[str], None] | None, every_s: float = 5.0):
+        self.what, self.total_bytes, self.log, self.every_s = what, total_bytes, log, every_s
+        self.bytes = self.tokens = 0
+        self.start = self.last = time.perf_counter()
+        self.seconds = 0.0
+        if log is not None:
+            log(f"tokenizing {what} ({_mb(total_bytes)}) ...")
+
+    def add_bytes(self, nbytes: int) -> None:
+        self.bytes += nbytes
+
+    def add_tokens(self, ntokens: int) -> None:
+        self.tokens += ntokens
+        now = time.perf_counter()
+        if self.log is not None and now - self.last >= self.every_s:
+            self.last = now
+            done = min(self.bytes, self.total_bytes)
+            self.log(f"tokenizing: {_mb(done)} of {_mb(self.total_bytes)} "
+                     f"({100 * done / max(self.total_bytes, 1):.0f}%), {self.tokens:,} tokens, "
+                     f"{now - self.start:.0f}s")
+
+    def finish(self) -> float:
+        """Ends the progress (the last line); returns the seconds it took."""
+        self.seconds = time.perf_counter() - self.start
+        if self.log is not None:
+            self.log(f"tokenized {self.what}: {self.tokens:,} tokens in {self.seconds:.1f}s")
+        return self.seconds
+
+
+def _mb(nbytes: int) -> str:
+    return f"{nbytes / 1e6:,.1f} MB"
 
 
 # --- pre-tokenized shards ------------------------------------------------------------------------
@@ -481,10 +550,11 @@ def _open_hf_dataset(spec: str, text_field: str, config_name: str, split: str) -
 
 def build_dataloader(dataset_path: str, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
                      dp_rank: int = 0, dp_world_size: int = 1, seed: int = 0, text_field: str = "text",
-                     hf_config: str = "", hf_split: str = "train"
+                     hf_config: str = "", hf_split: str = "train", log: Callable[[str], None] | None = None
                      ) -> PackedTextDataLoader | StreamingTextDataLoader:
     """The loader for ``dataset_path`` (``[training] dataset_path``) on one DP rank: local files
-    are read and tokenized now (or memory-mapped, for ``.bin`` shards); ``hf:<name>`` streams."""
+    are read and tokenized now (or memory-mapped, for ``.bin`` shards); ``hf:<name>`` streams.
+    ``log`` (e.g. ``print`` on rank 0) gets the tokenizing progress lines (:class:`TokenizeProgress`)."""
     _check_sizes(seq_len, local_batch_size, dp_rank, dp_world_size, seed)  # before the slow part
     if dataset_path.startswith(HF_PREFIX):
         open_documents = _open_hf_dataset(dataset_path, text_field, hf_config, hf_split)
@@ -502,6 +572,8 @@ def build_dataloader(dataset_path: str, tokenizer: Tokenizer, seq_len: int, loca
             shards.append(tokens)
         return PackedTextDataLoader(shards, seq_len, local_batch_size, dp_rank, dp_world_size, seed,
                                     source=str(dataset_path))
-    tokens = tokenize_documents(read_documents(files, text_field), tokenizer)
+    progress = TokenizeProgress(str(dataset_path), sum(f.stat().st_size for f in files), log)
+    tokens = tokenize_documents(iter_documents(files, text_field, progress.add_bytes), tokenizer, progress)
+    progress.finish()
     return PackedTextDataLoader(tokens, seq_len, local_batch_size, dp_rank, dp_world_size, seed,
                                 source=str(dataset_path))

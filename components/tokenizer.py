@@ -108,9 +108,9 @@ class HFTokenizer:
     def __init__(self, path: str | Path):
         try:
             from tokenizers import Tokenizer as _Tokenizer
-        except ImportError as e:
-            raise ImportError(f"{path}: a Hugging Face tokenizer.json needs the `tokenizers` package: "
-                              f"pip install tokenizers") from e
+        except ImportError:
+            raise TokenizerError(f"{path}: a Hugging Face tokenizer.json needs the `tokenizers` package: "
+                                 f"pip install tokenizers (or the project's \".[hf]\" extra)") from None
         self.path = Path(path)
         try:
             self._tok = _Tokenizer.from_file(str(self.path))

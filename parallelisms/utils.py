@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections import defaultdict
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -19,6 +21,55 @@ def init_distributed(device_type: str) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
     return dist.get_world_size()
+
+
+# How long a rank other than 0 waits for rank 0's error line before it prints its own.
+ERROR_WAIT_S = 10.0
+
+
+def _job_store(timeout_s: float) -> dist.Store | None:
+    """The job's key-value store: the process group's, or before the group exists torchrun's."""
+    if dist.is_initialized():
+        return dist.distributed_c10d._get_default_store()
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_PORT" in os.environ:
+        try:  # torchrun's agent hosts this store, so it outlives any worker
+            return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                 timeout=timedelta(seconds=timeout_s))
+        except (RuntimeError, ValueError):
+            return None
+    return None
+
+
+def report_error(message: str, wait_s: float = ERROR_WAIT_S, key: str = "train_error") -> None:
+    """Print ``error: <message>`` to stderr once for the whole job, not once per rank.
+
+    Rank 0 prints it and leaves it in the job's store under ``key``. Another rank prints its own
+    message, as ``error: rank <r>: ...``, only when rank 0 has not left the same one within
+    ``wait_s`` seconds (an error of that rank alone). It waits in any case: torchrun stops every
+    worker as soon as one exits, which could cut rank 0 off before its line. Without a store (a
+    launcher other than torchrun, before the process group exists) only rank 0 prints: errors
+    raised before the group exists come from the config, the same on every rank."""
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    key = f"{key}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    multi = dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1
+    store = _job_store(wait_s) if multi else None
+    if rank == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        if store is not None:
+            try:
+                store.set(key, message)
+            except RuntimeError:  # the store is gone: the other ranks print their own
+                pass
+        return
+    if store is None:
+        return
+    try:
+        store.wait([key], timedelta(seconds=wait_s))
+        same = store.get(key).decode() == message
+    except RuntimeError:  # rank 0 has not failed (or not yet): this error is this rank's
+        same = False
+    if not same:
+        print(f"error: rank {rank}: {message}", file=sys.stderr, flush=True)
 
 
 def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, foreach: bool, apply: bool = True) -> torch.Tensor:

@@ -52,7 +52,13 @@ def test_bad_toml(tmp_path, text, pattern):
     (["--trainig.steps", "3"], r"command line: unknown section in '--trainig.steps'"),
     (["--training.steps", "x"], r"command line: --training.steps 'x' is not a valid int"),
     (["--training.steps"], r"--training.steps needs a value"),
-    (["--training.steps", "-2"], r"command line: \[training\] steps = -2 is out of range"),
+    (["--training.steps", "-2"], r"command line: --training.steps -2 is out of range: must be >= 1"),
+    (["--moe.backend", "nope"], r"^command line: --moe.backend 'nope' is not a registered MoE backend"),
+    (["--config", "train_configs/debug_model.toml", "--moe.backend", "nope"],
+     r"^command line: --moe.backend 'nope' is not a registered"),
+    (["--config", "train_configs/debug_model.toml", "--activation_checkpoint.keep", "attention"],
+     r"^command line and train_configs/debug_model.toml: \[activation_checkpoint\] keep = 'attention' keeps"),
+    (["--activation_checkpoint.mode", "banana"], r"command line: --activation_checkpoint.mode 'banana' is not allowed"),
     (["steps"], r"unexpected argument 'steps'"),
     (["--config", "nope.toml"], r"config file 'nope.toml' does not exist"),
 ])
@@ -101,3 +107,37 @@ def test_moved_key_names_its_new_section(tmp_path):
         parse_args(["--config", "train_configs/debug_model.toml", "--parallelism.expert_parallel_chunks", "2"])
     cfg = parse_args(["--config", "train_configs/debug_model.toml", "--experimental.expert_parallel_chunks", "3"])
     assert cfg.experimental.expert_parallel_chunks == 3 and cfg.parallelism.expert_capacity_factor == 2.0
+
+
+def test_relative_paths_resolve_beside_the_config(tmp_path, monkeypatch):
+    """From another working directory: the shipped config's assets/... are found in the project
+    folder, a path beside a config file there, one in the working directory first; a command-line
+    path is relative to the working directory only; a path found nowhere names every place tried."""
+    from components.config import PROJECT_DIR
+
+    tmp_path = tmp_path.resolve()
+    shipped = str(PROJECT_DIR / "train_configs" / "debug_model.toml")
+    cwd, conf = tmp_path / "cwd", tmp_path / "conf"
+    (conf / "data").mkdir(parents=True)
+    (conf / "data" / "a.txt").write_text("a document\n")
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+
+    cfg = load_config(shipped)
+    assert cfg.model.tokenizer_path == str(PROJECT_DIR / "assets" / "tokenizer" / "tokenizer.model")
+    assert cfg.training.dataset_path == str(PROJECT_DIR / "assets" / "data" / "stories")
+    job = write_file(conf, "job.toml", '[training]\ndataset_path = "data"\n[checkpoint]\ninitial_load_path = "hf"\n')
+    cfg = load_config(job)
+    assert cfg.training.dataset_path == str(conf / "data")
+    assert cfg.checkpoint.initial_load_path == str(cwd / "hf")  # read (and reported) only by a fresh run
+    (cwd / "data").mkdir()
+    assert load_config(job).training.dataset_path == "data"  # the working directory's, as written
+
+    with pytest.raises(ConfigError, match=rf"^command line: --training.dataset_path 'assets/data/stories' not "
+                                          rf"found \({cwd}/assets/data/stories\)$"):
+        parse_args(["--config", shipped, "--training.dataset_path", "assets/data/stories"])
+    bad = write_file(conf, "bad.toml", '[model]\ntokenizer_path = "tok/missing.model"\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(bad)
+    assert str(e.value) == (f"{bad}: [model] tokenizer_path = 'tok/missing.model' not found (tried "
+                            f"{cwd}/tok/missing.model, {conf}/tok/missing.model, {PROJECT_DIR}/tok/missing.model)")

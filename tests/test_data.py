@@ -527,6 +527,62 @@ def test_pretokenized_bad_shards(tmp_path):
         write_token_shard(tmp_path / "c.bin", np.arange(60), vocab_size=50)
 
 
+def test_pretokenize_script_stops_with_one_line(tmp_path, capsys):
+    """scripts/pretokenize.py: a missing input, a broken JSON line (file and line named) and an output
+    folder already holding shards each end in one ``error:`` line and exit status 2; a run that stops
+    leaves no shards behind; --overwrite replaces old shards."""
+    script = _load_script("pretokenize")
+
+    def run(dataset, *more):
+        rc = script.main(["--tokenizer", str(TOKENIZER_PATH), "--dataset", str(dataset), "--out", str(out), *more])
+        return rc, capsys.readouterr().err
+
+    out = tmp_path / "bin"
+    missing = tmp_path / "nope.txt"
+    assert run(missing) == (2, f"error: --dataset {missing}: not found ({missing.resolve()})\n")
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "Mia had a cat."}\n\n{"text": "unclosed"\n')
+    rc, err = run(broken)
+    assert rc == 2 and err.startswith(f"error: {broken}:3: not a JSON object (") and err.count("\n") == 1, err
+    assert not out.exists()
+    good = tmp_path / "good.txt"
+    good.write_text("Mia had a cat.\nThe cat sat.\n")
+    assert run(good) == (0, "")
+    rc, err = run(good)
+    assert rc == 2 and err == (f"error: {out} already holds 1 shard(s) (shard-00000.bin, ...); pass --overwrite "
+                               f"to replace them, or choose another --out\n")
+    assert run(good, "--overwrite") == (0, "")
+    # Shards flushed before a broken line further on are removed again.
+    broken.write_text("".join(f'{{"text": "{i} {i}"}}\n' for i in range(5)) + "{oops\n")
+    with pytest.raises(ValueError, match=r"broken\.jsonl:6: not a JSON object"):
+        script.pretokenize(broken, NumberTokenizer(), tmp_path / "partial", shard_tokens=3, docs_per_batch=1)
+    assert not (tmp_path / "partial").exists()
+
+
+def test_tokenizing_progress_lines(tmp_path):
+    """Progress lines while tokenizing: the start with the input's size, a line per batch when due
+    (here always), the end with the token count; bytes read add up to the files' sizes; batching
+    does not change the stream."""
+    from components.dataloader import TokenizeProgress, dataset_files, iter_documents, tokenize_documents
+
+    lines = number_lines(50, 4)
+    (tmp_path / "a.txt").write_text("\n".join(lines[:20]) + "\n")
+    (tmp_path / "b.jsonl").write_text("".join(f'{{"text": "{line}"}}\n' for line in lines[20:]))
+    files = dataset_files(tmp_path)
+    size = sum(f.stat().st_size for f in files)
+    logged = []
+    progress = TokenizeProgress("corpus", size, logged.append, every_s=0)
+    tokens = tokenize_documents(iter_documents(files, "text", progress.add_bytes), NumberTokenizer(), progress,
+                                docs_per_batch=16)
+    progress.finish()
+    assert tokens.tolist() == stream_of(lines)
+    assert progress.bytes == size and progress.tokens == 50 * 6
+    assert logged[0] == f"tokenizing corpus ({size / 1e6:.1f} MB) ..."
+    assert len(logged) == 1 + 4 + 1 and all(line.startswith("tokenizing: ") for line in logged[1:-1])
+    assert logged[-2].startswith(f"tokenizing: {size / 1e6:.1f} MB of {size / 1e6:.1f} MB (100%), 300 tokens")
+    assert logged[-1].startswith("tokenized corpus: 300 tokens in ")
+
+
 class SmallVocab(NumberTokenizer):
     vocab_size = 2048
 

@@ -201,7 +201,7 @@ def test_ep_capacity_overflow_is_reported_with_chunks(reference, tmp_path):
 def test_expert_parallel_chunks_must_be_positive():
     from components.config import ConfigError, parse_args
 
-    with pytest.raises(ConfigError, match=r"command line: \[experimental\] expert_parallel_chunks = 0 is out of "
+    with pytest.raises(ConfigError, match=r"command line: --experimental.expert_parallel_chunks 0 is out of "
                                           r"range: must be >= 1"):
         parse_args(BASE + ["--experimental.expert_parallel_chunks", "0"])
 
@@ -251,3 +251,62 @@ def test_expert_weight_cache_under_ep(reference, tmp_path, world, ep_args):
     assert got["losses"] == want["losses"]
     for name, value in want["state"].items():
         assert torch.equal(got["state"][name], value), name
+
+
+def _report_error_job(rank: int, world: int, out_dir: str) -> None:
+    """report_error on a real 2-rank group: the same error on both ranks, a different one on each,
+    and an error of rank 1 alone (rank 0 goes on); each rank's stderr per case goes to a file."""
+    import contextlib
+    import io
+    import json
+    from pathlib import Path
+
+    from parallelisms.utils import report_error
+
+    cases = {"same": ("data too small", "data too small"), "differ": ("rank 0's problem", "rank 1's problem"),
+             "alone": (None, "only rank 1's problem")}
+    got = {}
+    for name, messages in cases.items():
+        buf = io.StringIO()
+        with contextlib.redirect_stderr(buf):
+            if messages[rank] is not None:
+                report_error(messages[rank], wait_s=1.0, key=f"test_{name}")
+        got[name] = buf.getvalue()
+    Path(out_dir, f"{rank}.json").write_text(json.dumps(got))
+
+
+def test_errors_print_once_per_job(tmp_path):
+    """An error every rank hits prints once (rank 0's line); an error of one rank, or a different one,
+    also prints on that rank, with its rank."""
+    import json
+
+    run_job(2, _report_error_job, out_dir=str(tmp_path))
+    rank0, rank1 = (json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1))
+    assert rank0 == {"same": "error: data too small\n", "differ": "error: rank 0's problem\n", "alone": ""}
+    assert rank1 == {"same": "", "differ": "error: rank 1: rank 1's problem\n",
+                     "alone": "error: rank 1: only rank 1's problem\n"}
+
+
+@pytest.mark.parametrize("args,error", [
+    # Found after the process group is up (the ranks meet in its store).
+    (["--parallelism.expert_parallel_degree", "3"], "[parallelism] expert_parallel_degree = 3 does not divide the "
+                                                     "8 experts"),
+    # Found before (they meet in torchrun's store).
+    (["--moe.backend", "nope"], "command line: --moe.backend 'nope' is not a registered MoE backend; choose one of "
+                                "grouped_mm, grouped_mm_fp8, mega, mega_fp8, torch, torchtitan"),
+], ids=["after_init", "before_init"])
+def test_torchrun_prints_an_error_once(tmp_path, args, error):
+    """torchrun with 2 CPU ranks that both stop with the same error: our line appears once (torchrun's
+    own failure report follows it), and the job fails with our exit status."""
+    import subprocess
+
+    from tests.utils import ROOT
+
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(ROOT / "train.py"), "--config", str(ROOT / "train_configs" / "debug_model.toml"),
+                          "--training.device", "cpu", *args],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode != 0
+    errors = [line for line in (out.stdout + out.stderr).splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {error}"], out.stderr
+    assert "exitcode  : 2" in out.stderr

@@ -270,5 +270,5 @@ def test_input_errors(change, error, pattern):
 
 def test_cpu_without_interpreter_is_refused(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(RuntimeError, match="needs a CUDA device.*TRITON_INTERPRET=1"):
+    with pytest.raises(RuntimeError, match="needs a CUDA device.*on CPU use the .grouped_mm. or .torch. backend.*TRITON_INTERPRET=1"):
         mega_moe(*_good_inputs(device="cpu"))

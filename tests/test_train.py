@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from components.config import ConfigError, JobConfig
-from tests.utils import logged_steps, make_trainer, run_losses
+from tests.utils import ROOT, logged_steps, make_trainer, run_losses
 from train import NonFiniteLossError, main
 
 
@@ -28,13 +28,24 @@ def losses_of(tmp_path_factory):
 
 
 def test_readme_command_runs_and_prints_summary(tmp_path):
-    """``python train.py`` as the README runs it: the logged losses are those of the same steps
-    taken in this process, and the summary's means are the means of the logged per-step numbers."""
-    args = ["--config", "train_configs/debug_model.toml", "--training.steps", "5", "--training.seq_len", "64",
-            "--model.n_layers", "2", "--training.local_batch_size", "2"]
-    out = subprocess.run([sys.executable, "train.py", *args, "--job.dump_folder", str(tmp_path / "cli")],
-                         capture_output=True, text=True, timeout=300)
+    """``python train.py`` as the README runs it, started from another folder (the config's assets/
+    paths are found in the project folder): the header comes first, then tokenizing and the model
+    build with their times; the logged losses are those of the same steps taken in this process, and
+    the summary's means are the means of the logged per-step numbers."""
+    args = ["--training.steps", "5", "--training.seq_len", "64", "--model.n_layers", "2",
+            "--training.local_batch_size", "2"]
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config",
+                          str(ROOT / "train_configs" / "debug_model.toml"), *args, "--job.dump_folder", "cli"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    order = ["Qwen3-MoE debug model: Qwen3-MoE debug (2 layers", f"tokenizing {ROOT / 'assets/data/stories'} (",
+             f"tokenized {ROOT / 'assets/data/stories'}: 474,266 tokens in ", "built the model in ", "step:     1",
+             "summary:", "done in "]
+    at = [next(i for i, line in enumerate(lines) if line.startswith(start)) for start in order]
+    assert at == sorted(at) and at[0] == 0, out.stdout
+    assert lines[-1].startswith("done in ") and "s (startup " in lines[-1], lines[-1]
+    args = ["--config", "train_configs/debug_model.toml", *args]
     steps = logged_steps(out.stdout)
     # debug_model.toml logs every 10 steps: the first and the last.
     assert sorted(steps) == [1, 5], out.stdout
@@ -271,7 +282,39 @@ def test_fp8_blockwise_warns_on_gpu_that_it_is_slow(monkeypatch, capsys):
     assert "slower than bf16 mega" in capsys.readouterr().err
     cfg.training.device = "cpu"
     check_implemented(cfg)
-    assert capsys.readouterr().err == ""
+    assert "slower than bf16" not in capsys.readouterr().err
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("quantize", ["none", "fp8_blockwise"])
+def test_mega_on_cpu_is_refused_outside_the_interpreter(monkeypatch, capsys, quantize):
+    """A CPU training run of the mega kernels stops at once with the backends that run there; under
+    the interpreter the tests switch on (TRITON_INTERPRET=1) it runs, with a warning."""
+    from train import check_implemented
+
+    args = ["--config", "train_configs/debug_model.toml", "--moe.backend", "mega", "--quantize.moe", quantize,
+            "--training.device", "cpu"]
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: [moe] backend = 'mega'"), err
+    assert "on CPU use [moe] backend = \"grouped_mm\"" in err and "for the tests only" in err
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg = JobConfig()
+    cfg.moe.backend, cfg.quantize.moe, cfg.training.device = "mega", quantize, "cpu"
+    check_implemented(cfg)
+    assert "Triton's CPU interpreter (TRITON_INTERPRET=1), which is meant for the tests" in capsys.readouterr().err
+
+
+@pytest.mark.unit
+def test_torchtitan_backend_without_its_package(capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("torchtitan") is not None:
+        pytest.skip("torchtitan is installed")
+    assert main(["--config", "train_configs/debug_model.toml", "--moe.backend", "torchtitan"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and 'not installed: pip install ".[baseline]"' in err, err
 
 
 @pytest.mark.parametrize("keep", ["attention", "attention_and_moe"])

@@ -31,8 +31,8 @@ def _check_device(x_TD: torch.Tensor) -> None:
         return
     raise RuntimeError(
         f"the 'mega' MoE backend runs Triton kernels and needs a CUDA device, but x_TD is on "
-        f"{x_TD.device}; move the layer to CUDA (or set TRITON_INTERPRET=1 before importing triton "
-        f"to run it on CPU tensors through the Triton interpreter, for tests)"
+        f"{x_TD.device}; move the layer to CUDA, or on CPU use the 'grouped_mm' or 'torch' backend "
+        f"(the kernel tests run it on CPU in Triton's interpreter, TRITON_INTERPRET=1, far too slow to train)"
     )
 
 
