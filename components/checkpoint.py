@@ -122,6 +122,10 @@ def check_output_folders(cfg: JobConfig, n_params: int) -> None:
     problem = None
     for folder, name in folders.items():
         probe = folder / f".write_test.{socket.gethostname()}.{os.getpid()}"
+        # A trace folder the check creates is removed again: a profiling window past the run's last
+        # step writes nothing, and leaves nothing behind.
+        traces = cfg.profiling.enable_profiling and folder == dump / cfg.profiling.save_traces_folder
+        created = [p for p in (folder, *folder.parents) if not p.exists()][:1] if traces else []
         try:
             folder.mkdir(parents=True, exist_ok=True)
             with open(probe, "x") as f:
@@ -131,6 +135,12 @@ def check_output_folders(cfg: JobConfig, n_params: int) -> None:
             problem = (f"{name} cannot be written ({type(e).__name__}: {e.strerror or e}: {folder}); choose a "
                        f"folder this user can write")
             break
+        finally:
+            for p in created:
+                try:
+                    p.rmdir()
+                except OSError:
+                    break
     warning = None
     if problem is None and cfg.checkpoint.enable:
         ckpt = dump / cfg.checkpoint.folder
