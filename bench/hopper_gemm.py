@@ -23,14 +23,16 @@ from kernels.fp8.hopper_gemm import fp8_gemm, fp8_gemm_ref
 E4M3 = torch.float8_e4m3fn
 
 
-def make_inputs(M: int, N: int, K: int, device="cuda"):
+def make_inputs(M: int, N: int, K: int, device="cuda", generator: torch.Generator | None = None):
+    """e4m3 operands with random positive scales, a few rows of A scaled 100x; drawn on the CPU
+    (from ``generator``, so a seed replays them) and moved to ``device``."""
     kb, nb = -(-K // 128), -(-N // 128)
-    a_q = (torch.randn(M, K, device=device) * 3).to(E4M3)
-    b_q = (torch.randn(N, K, device=device) * 3).to(E4M3)
-    a_s = torch.rand(M, kb, device=device) + 0.25
-    b_s = torch.rand(nb, kb, device=device) + 0.25
-    a_s[torch.randint(0, M, (max(1, M // 100), ), device=device)] *= 100  # a few rows of large scale
-    return a_q, a_s, b_q, b_s
+    a_q = (torch.randn(M, K, generator=generator) * 3).to(E4M3)
+    b_q = (torch.randn(N, K, generator=generator) * 3).to(E4M3)
+    a_s = torch.rand(M, kb, generator=generator) + 0.25
+    b_s = torch.rand(nb, kb, generator=generator) + 0.25
+    a_s[torch.randint(0, M, (max(1, M // 50), ), generator=generator)] *= 100
+    return [t.to(device) for t in (a_q, a_s, b_q, b_s)]
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -78,8 +80,7 @@ def main() -> None:
         a_q, a_s, b_q, b_s = make_inputs(M, N, K)
         a_st = a_s.t().contiguous()
         flop = 2 * M * N * K
-        ref32 = (a_q.float() * a_s.repeat_interleave(128, 1)[:, :K]) @ (
-            b_q.float() * b_s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:N, :K]).T
+        ref32 = fp8_gemm_ref(a_q, a_s, b_q, b_s, torch.float32)
         res = {"shape": shape}
         ms = time_ms(lambda: scaled_mm(a_q, a_s, b_q, b_s), args.iters)
         res["cublas"] = flop / ms / 1e9

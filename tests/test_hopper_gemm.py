@@ -21,6 +21,7 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.runtime.jit import mangle_type  # noqa: E402
 
+from bench.hopper_gemm import make_inputs  # noqa: E402
 from kernels.fp8 import hopper_gemm as H  # noqa: E402
 from tests.utils import random_seed  # noqa: E402
 
@@ -61,16 +62,6 @@ def test_compiles_for_sm90_without_spills(tmp_path, stages, scaled):
     assert "setmaxnreg" in ptx and "cp.async.bulk.tensor" in ptx
 
 
-def _inputs(M, N, K, gen):
-    kb, nb = -(-K // 128), -(-N // 128)
-    a_q = (torch.randn(M, K, generator=gen) * 3).to(FP8)
-    b_q = (torch.randn(N, K, generator=gen) * 3).to(FP8)
-    a_s = torch.rand(M, kb, generator=gen) + 0.25
-    b_s = torch.rand(nb, kb, generator=gen) + 0.25
-    a_s[torch.randint(0, M, (max(1, M // 50), ), generator=gen)] *= 100
-    return [t.cuda() for t in (a_q, a_s, b_q, b_s)]
-
-
 @pytest.mark.skipif(not IS_HOPPER, reason="needs an sm_90 (Hopper) GPU")
 @pytest.mark.parametrize("M,N,K", [(300, 384, 640), (129, 136, 208), (1, 128, 128), (1024, 1536, 2048),
                                    (777, 2048, 768)])
@@ -78,7 +69,7 @@ def _inputs(M, N, K, gen):
 def test_matches_float64(M, N, K, stages):
     seed = random_seed()
     gen = torch.Generator().manual_seed(seed)
-    a_q, a_s, b_q, b_s = _inputs(M, N, K, gen)
+    a_q, a_s, b_q, b_s = make_inputs(M, N, K, generator=gen)
     out = H.fp8_gemm(a_q, a_s.t().contiguous(), b_q, b_s, stages=stages)
     ref = H.fp8_gemm_ref(a_q, a_s, b_q, b_s)
     assert out.shape == (M, N) and out.dtype == torch.bfloat16
@@ -92,7 +83,7 @@ def test_matches_float64(M, N, K, stages):
 @pytest.mark.skipif(not IS_HOPPER, reason="needs an sm_90 (Hopper) GPU")
 def test_unscaled_probe_is_the_plain_product():
     gen = torch.Generator().manual_seed(random_seed())
-    a_q, a_s, b_q, b_s = _inputs(256, 256, 512, gen)
+    a_q, a_s, b_q, b_s = make_inputs(256, 256, 512, generator=gen)
     out = H.fp8_gemm(a_q, a_s.t().contiguous(), b_q, b_s, scaled=False)
     ref = a_q.double() @ b_q.double().T
     assert ((out.double() - ref).norm() / ref.norm()).item() < 4e-3
@@ -101,7 +92,7 @@ def test_unscaled_probe_is_the_plain_product():
 @pytest.mark.skipif(not IS_HOPPER, reason="needs an sm_90 (Hopper) GPU")
 def test_rejects_what_it_cannot_run():
     gen = torch.Generator().manual_seed(0)
-    a_q, a_s, b_q, b_s = _inputs(128, 128, 256, gen)
+    a_q, a_s, b_q, b_s = make_inputs(128, 128, 256, generator=gen)
     with pytest.raises(ValueError, match="K"):
         H.fp8_gemm(a_q[:, :200], a_s.t().contiguous(), b_q[:, :200], b_s)  # rows not 16-byte aligned
     with pytest.raises(ValueError, match="a_s_t"):

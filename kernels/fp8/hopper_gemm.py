@@ -27,6 +27,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from kernels.fp8.blockwise import dequantize_rowwise_ref, dequantize_weight_ref
+
 TILE_K = 128  # one scale block along K per pipeline stage
 BLOCK_K = gl.constexpr(TILE_K)
 FP8 = torch.float8_e4m3fn
@@ -213,9 +215,8 @@ def fp8_gemm(a_q: torch.Tensor, a_s_t: torch.Tensor, b_q: torch.Tensor, b_s: tor
     return out
 
 
-def fp8_gemm_ref(a_q, a_s, b_q, b_s) -> torch.Tensor:
-    """float64 reference; a_s (M, K/128) (not transposed)."""
-    a = a_q.double() * a_s.double().repeat_interleave(TILE_K, 1)[:, :a_q.shape[1]]
-    b = b_q.double() * b_s.double().repeat_interleave(TILE_K, 0).repeat_interleave(TILE_K, 1)[:b_q.shape[0],
-                                                                                                    :b_q.shape[1]]
+def fp8_gemm_ref(a_q, a_s, b_q, b_s, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The product of the dequantized operands in ``dtype``; a_s (M, K/128) (not transposed)."""
+    a = dequantize_rowwise_ref(a_q, a_s, dtype)
+    b = dequantize_weight_ref(b_q[None], b_s[None], dtype)[0]
     return a @ b.T
