@@ -83,7 +83,7 @@ def _broadcast(obj: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _quiet_single_process():
+def quiet_single_process_dcp():
     """DCP warns at every save and load without a process group that it assumes one process: that
     is what a single-process run means, so exactly that warning is dropped."""
     with warnings.catch_warnings():
@@ -214,6 +214,11 @@ def checkpoint_damage(folder: Path) -> str | None:
     return None
 
 
+def intact_steps(found: dict[int, Path]) -> list[int]:
+    """The steps of ``found`` (:func:`complete_checkpoints`) whose files match their manifest, in order."""
+    return [s for s in sorted(found) if checkpoint_damage(found[s]) is None]
+
+
 class CheckpointManager:
     def __init__(self, cfg: CheckpointConfig, dump_folder: str, model: nn.Module, optimizer: torch.optim.Optimizer,
                  lr_scheduler: Any, dataloader: Any, model_identity: dict[str, Any], run_steps: int | None = None):
@@ -253,7 +258,7 @@ class CheckpointManager:
         _barrier()
         future = None
         try:
-            with _quiet_single_process():
+            with quiet_single_process_dcp():
                 if self.cfg.async_mode == "async":
                     # Returns once the state is copied to CPU memory; training may change the weights after.
                     future = dcp.async_save(self._dcp_state(), checkpoint_id=str(tmp),
@@ -317,7 +322,7 @@ class CheckpointManager:
         # Counted in intact checkpoints: a damaged newer one (left by a run that fell back from it)
         # must not push out the intact ones. Everything older than the k kept goes.
         found = complete_checkpoints(self.folder)
-        intact = [s for s in sorted(found) if checkpoint_damage(found[s]) is None]
+        intact = intact_steps(found)
         if len(intact) > self.cfg.keep_latest_k:
             oldest_kept = intact[-self.cfg.keep_latest_k]
             for s in found:
@@ -354,14 +359,13 @@ class CheckpointManager:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         try:
             state = self._dcp_state()
-            with _quiet_single_process():
+            with quiet_single_process_dcp():
                 dcp.load(state, checkpoint_id=str(path))
             extra = torch.load(path / "trainer_rank0.pt", weights_only=False)
             if extra["world_size"] == _world_size():
                 extra = torch.load(path / f"trainer_rank{rank}.pt", weights_only=False)
         except (Exception, CheckpointException) as e:
-            older = [s for s in sorted(complete_checkpoints(self.folder), reverse=True)
-                     if s < step and checkpoint_damage(self.folder / f"step-{s}") is None]
+            older = [s for s in reversed(intact_steps(complete_checkpoints(self.folder))) if s < step]
             way = (f"resume from the one before with --checkpoint.load_step {older[0]}" if older else
                    "move it away to start afresh")
             raise CheckpointError(f"checkpoint {path} could not be loaded ({_one_line(e)}); if it is damaged, "
@@ -397,7 +401,7 @@ class CheckpointManager:
                               f"{self.folder} (found: {sorted(found) or 'none'})")
             damage = checkpoint_damage(found[step])
             if damage is not None:
-                intact = [s for s in sorted(found) if checkpoint_damage(found[s]) is None]
+                intact = intact_steps(found)
                 return None, (f"checkpoint {found[step]} is damaged ({damage}); pick another with "
                               f"--checkpoint.load_step (intact: {intact or 'none'})")
             return step, None

@@ -38,12 +38,10 @@ use it.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import re
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +56,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from components.checkpoint import quiet_single_process_dcp
 from models.qwen3.args import Qwen3MoEArgs
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -325,14 +324,6 @@ def read_hf_shapes(folder: str | Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-@contextlib.contextmanager
-def single_process_dcp():
-    """Without a process group DCP warns that it assumes one process, which is what is meant here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
-
-
 def _is_main() -> bool:
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
@@ -386,7 +377,7 @@ def load_hf_weights(model: nn.Module, folder: str | Path) -> None:
             tied = t
         else:
             targets[name] = t
-    with single_process_dcp():
+    with quiet_single_process_dcp():
         dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(folder)))
         if tied is not None:  # a tied checkpoint: the output projection is the embedding
             dcp.load({"model.embed_tokens.weight": tied}, storage_reader=HuggingFaceStorageReader(str(folder)))
@@ -486,7 +477,7 @@ def save_hf_weights(model: nn.Module, folder: str | Path, dtype: torch.dtype = t
         folder.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)  # an interrupted export's shards would be assembled too
     if not distributed:
-        with single_process_dcp():
+        with quiet_single_process_dcp():
             dcp.save(sources, storage_writer=HuggingFaceStorageWriter(str(folder), fqn_to_index_mapping=file_of))
     else:
         torch.distributed.barrier()

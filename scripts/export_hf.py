@@ -37,10 +37,9 @@ if str(ROOT) not in sys.path:
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict  # noqa: E402
 
-from components.checkpoint import model_identity  # noqa: E402
+from components.checkpoint import model_identity, quiet_single_process_dcp  # noqa: E402
 from components.config import ConfigError, parse_args  # noqa: E402
-from components.hf_checkpoint import (INDEX_FILE, HFCheckpointError, save_hf_weights,  # noqa: E402
-                                      single_process_dcp)
+from components.hf_checkpoint import INDEX_FILE, HFCheckpointError, save_hf_weights  # noqa: E402
 from models.qwen3.args import get_model_args  # noqa: E402
 from models.qwen3.model import Qwen3MoE  # noqa: E402
 from parallelisms.parallel_dims import build_parallel_dims  # noqa: E402
@@ -98,7 +97,7 @@ def export(checkpoint: str | Path, out: str | Path, config_args: list[str], dtyp
         apply_fsdp(model, dims, cfg.parallelism, "float32")
     model.to_empty(device="cpu")
     state = {"model": get_model_state_dict(model)}
-    with single_process_dcp():
+    with quiet_single_process_dcp():
         dcp.load(state, checkpoint_id=str(checkpoint))  # reads the model's entries only (this rank's shards)
     set_model_state_dict(model, state["model"])
     if overwrite and out.is_dir() and (not distributed or torch.distributed.get_rank() == 0):

@@ -225,11 +225,11 @@ def test_export_script_refuses_to_overwrite(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from components.hf_checkpoint import single_process_dcp
+    from components.checkpoint import quiet_single_process_dcp
     from tests.utils import debug_model, load_script
 
     model = debug_model(n_layers=1)
-    with single_process_dcp():
+    with quiet_single_process_dcp():
         dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(tmp_path / "step-1"))
     export_hf = load_script("export_hf")
     argv = ["--checkpoint", str(tmp_path / "step-1"), "--out", str(tmp_path / "out"), "--dtype", "float32",
