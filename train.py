@@ -11,6 +11,7 @@ checkpoint (components/signals.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import math
 import os
@@ -139,7 +140,7 @@ class Trainer:
         if self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.rank = torch.distributed.get_rank() if self.distributed else 0
-        self.log = print if self.rank == 0 else (lambda *a, **k: None)
+        self.log = functools.partial(print, flush=True) if self.rank == 0 else (lambda *a, **k: None)
         if t.seq_len > self.model_args.max_seq_len:
             raise ConfigError(f"[training] seq_len = {t.seq_len} exceeds the model's max_seq_len "
                               f"{self.model_args.max_seq_len}")
@@ -152,9 +153,7 @@ class Trainer:
         # An unwritable output folder or a disk too small for a checkpoint: now, not at the first save.
         check_output_folders(cfg, count_params(self.model_args)[0])
         # The header comes before the long parts (tokenizing, building the model), which say how long they took.
-        log = (lambda line: print(line, flush=True)) if self.rank == 0 else None
-        if log:
-            log(self.describe())
+        self.log(self.describe())
 
         self.tokenizer = build_tokenizer(m.tokenizer_path)
         if self.tokenizer.vocab_size > self.model_args.vocab_size:
@@ -164,7 +163,7 @@ class Trainer:
         self.dataloader = build_dataloader(t.dataset_path, self.tokenizer, t.seq_len, t.local_batch_size,
                                            dp_rank=dp_rank, dp_world_size=dp, seed=t.seed,
                                            text_field=t.dataset_text_field, hf_config=t.dataset_config_name,
-                                           hf_split=t.dataset_split, log=log)
+                                           hf_split=t.dataset_split, log=self.log if self.rank == 0 else None)
 
         built = time.perf_counter()
         seed_everything(t.seed, t.deterministic)
@@ -172,7 +171,7 @@ class Trainer:
             model = Qwen3MoE(self.model_args, moe_backend=resolve_moe_backend(cfg.moe.backend, cfg.quantize.moe),
                              use_expert_bias=cfg.moe.load_balance == "expert_bias",
                              attention_backend=m.attention_backend)
-        convert_to_float8(model, cfg.quantize, log=print if self.rank == 0 else lambda msg: None)
+        convert_to_float8(model, cfg.quantize, log=self.log)
         parallelize_model(model, self.parallel_dims, cfg, self.distributed)
         model.to_empty(device=self.device)
         model.init_weights()
@@ -181,9 +180,8 @@ class Trainer:
         self.optimizer = build_optimizer(model, cfg.optimizer, self.device.type)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, t.steps, cfg.lr_scheduler)
         self._enable_compute_weights(cfg)
-        if log:
-            log(f"built the model in {time.perf_counter() - built:.1f}s (expert weight cache "
-                f"{self.weight_cache_mode or 'off'})")
+        self.log(f"built the model in {time.perf_counter() - built:.1f}s (expert weight cache "
+                 f"{self.weight_cache_mode or 'off'})")
         self.checkpoint = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, model, self.optimizer,
                                             self.lr_scheduler, self.dataloader,
                                             model_identity(self.model_args, m.flavor), run_steps=t.steps)
@@ -334,10 +332,10 @@ class Trainer:
         log = self.log
         self.step = self.checkpoint.maybe_load()
         if self.step:
-            log(f"resumed from the checkpoint of step {self.step}", flush=True)
+            log(f"resumed from the checkpoint of step {self.step}")
         elif self.cfg.checkpoint.initial_load_path:
             log(f"initial weights from {self.cfg.checkpoint.initial_load_path} "
-                f"({self.cfg.checkpoint.initial_load_format})", flush=True)
+                f"({self.cfg.checkpoint.initial_load_format})")
         self.note_schedule()
         profiler = StepProfiler(self.cfg.profiling, self.cfg.job.dump_folder, self.rank, self.device, log=log)
         data_iter = iter(self.dataloader)
@@ -346,7 +344,7 @@ class Trainer:
         self.metrics.start()
         self.train_started = time.perf_counter()
         try:
-            with GracefulStop(lambda msg: log(msg, flush=True)) as stop:
+            with GracefulStop(log) as stop:
                 while self.step < t.steps:
                     self.step += 1
                     profiler.step_start(self.step)
@@ -369,7 +367,7 @@ class Trainer:
         finally:
             profiler.close()
         self.train_s = time.perf_counter() - self.train_started
-        log(self.metrics.summary(self.outputs(profiler)), flush=True)
+        log(self.metrics.summary(self.outputs(profiler)))
         self.metrics.close()
         return stopped_by
 
@@ -377,9 +375,9 @@ class Trainer:
         """The metrics line of the first step, every ``log_freq``-th and the ``last`` (collective with
         ``log_expert_load``)."""
         if self.step == 1 or self.step % self.cfg.metrics.log_freq == 0 or last:
-            self.log(self.metrics.log(self.step, loss, aux, grad_norm, lr), flush=True)
+            self.log(self.metrics.log(self.step, loss, aux, grad_norm, lr))
             if self.cfg.metrics.log_expert_load:
-                self.log(self.expert_load_line(), flush=True)
+                self.log(self.expert_load_line())
 
     def save_checkpoint(self, wait: bool) -> None:
         """Save this step's checkpoint, saying where as it starts and how long it took once written.
@@ -387,7 +385,7 @@ class Trainer:
         start = time.perf_counter()
         self.finish_checkpoint()  # saves become visible in step order
         path = self.checkpoint.folder / f"step-{self.step}"
-        self.log(f"saving checkpoint to {path} ...", flush=True)
+        self.log(f"saving checkpoint to {path} ...")
         self._save_started[path] = start
         self.checkpoint.save(self.step)
         self.saved.append(path)
@@ -397,7 +395,7 @@ class Trainer:
                 self._checkpoint_written(path)
         else:
             self.log(f"checkpoint {path}: state staged in {time.perf_counter() - start:.1f}s, "
-                     "writing in the background", flush=True)
+                     "writing in the background")
         self.checkpoint_s += time.perf_counter() - start
         self.metrics.exclude_pause()
 
@@ -414,7 +412,7 @@ class Trainer:
 
     def _checkpoint_written(self, path: Path) -> None:
         took = time.perf_counter() - self._save_started.pop(path)
-        self.log(f"checkpoint {path} saved in {took:.1f}s", flush=True)
+        self.log(f"checkpoint {path} saved in {took:.1f}s")
 
     def note_schedule(self) -> None:
         """One-line notices about the learning-rate schedule this run follows."""
@@ -422,14 +420,14 @@ class Trainer:
         if sched.warmup_steps > t.steps:
             self.log(f"note: [lr_scheduler] warmup_steps = {sched.warmup_steps} is more than [training] steps = "
                      f"{t.steps}: the warmup is cut to {t.steps} steps, so the lr rises over the whole run and "
-                     "never reaches its peak", flush=True)
+                     "never reaches its peak")
         saved = self.checkpoint.resumed_run_steps
         if self.step and saved is not None and saved != t.steps:
             now = self.optimizer.param_groups[0]["lr"]
             new = self.lr_scheduler.base_lrs[0] * lr_factor(self.step + 1, t.steps, sched)
             self.log(f"note: the checkpoint of step {self.step} was saved by a run of {saved} steps and this run "
                      f"has [training] steps = {t.steps}: the lr schedule moves to the {t.steps}-step curve (from "
-                     f"{now:.2e} on the old one to {new:.2e} after the next step)", flush=True)
+                     f"{now:.2e} on the old one to {new:.2e} after the next step)")
 
     def note_epoch(self, epoch: int) -> int:
         """Say when this rank's data runs out and repeats (at most once per ``log_freq`` steps, for
@@ -439,7 +437,7 @@ class Trainer:
             if self._epoch_noted_at is None or self.step - self._epoch_noted_at >= self.cfg.metrics.log_freq:
                 self._epoch_noted_at = self.step
                 self.log(f"note: the dataset was used up by step {self.step}: the data repeats from here (epoch "
-                         f"{epoch + 1})", flush=True)
+                         f"{epoch + 1})")
         return epoch
 
     def outputs(self, profiler: StepProfiler) -> list[str]:
@@ -484,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             trainer = Trainer(cfg)
             stopped_by = trainer.train()
-            trainer.log(trainer.end_line(started, stopped_by), flush=True)
+            trainer.log(trainer.end_line(started, stopped_by))
             return 128 + stopped_by if stopped_by else 0
     except (ConfigError, FileNotFoundError, CheckpointError, NotImplementedError, DataError, TokenizerError) as e:
         report_error(str(e))  # once per job under torchrun, not once per rank
