@@ -73,10 +73,37 @@ def check_implemented(cfg: JobConfig) -> None:
                           f"(backend {name!r}) is not implemented yet; set [quantize] moe = \"none\" (bf16)")
     on_gpu = cfg.training.device != "cpu" and torch.cuda.is_available()
     check_backend_runs(name, cfg.moe.backend, cfg.quantize.moe, on_gpu)
+    if name == "mega_fp8":
+        from kernels.fp8.engine import gluon_unavailable
+
+        device = "cuda" if on_gpu else "cpu"
+        if cfg.quantize.fp8_gemm_engine == "gluon" and (reason := gluon_unavailable(device)):
+            raise ConfigError(f"[quantize] fp8_gemm_engine = \"gluon\" cannot run: {reason}; use \"auto\" (Gluon "
+                              "where it runs, else Triton) or \"triton\"")
     if name == "mega_fp8" and on_gpu:
         # Correct on the H200 (its GPU tests pass) but slower than bf16 there: say so at start.
         warn("[quantize] moe = \"fp8_blockwise\" (the FP8 mega kernels) is correct but still slower than bf16 "
              "mega on the H200 (BENCHMARKS.md, docs/fp8.md); for speed use [quantize] moe = \"none\"")
+
+
+def configure_fp8_experts(model: torch.nn.Module, quantize, device: torch.device, log):
+    """The ``mega_fp8`` experts' options from ``[quantize]`` (their GEMM engine), set on every expert
+    module and returned; None when no expert runs ``mega_fp8``. Logs the engine the GEMMs run on."""
+    from models.moe.moe import GroupedExperts
+
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts) and m.backend_name == "mega_fp8"]
+    if not experts:
+        return None
+    from kernels.fp8.engine import gluon_unavailable, resolve_engine
+    from kernels.moe.mega_fp8 import MegaFP8Options
+
+    options = MegaFP8Options(engine=quantize.fp8_gemm_engine)
+    for m in experts:
+        m.backend = functools.partial(get_moe_backend("mega_fp8"), options=options)
+    engine = resolve_engine(options.engine, device)
+    why = f" ({gluon_unavailable(device)})" if engine == "triton" and options.engine == "auto" else ""
+    log(f"FP8 expert GEMMs: {engine} engine{why}")
+    return options
 
 
 def check_backend_runs(name: str, backend: str, quantize: str, on_gpu: bool) -> None:
@@ -172,6 +199,7 @@ class Trainer:
                              use_expert_bias=cfg.moe.load_balance == "expert_bias",
                              attention_backend=m.attention_backend)
         convert_to_float8(model, cfg.quantize, log=self.log)
+        self.fp8_options = configure_fp8_experts(model, cfg.quantize, self.device, self.log)
         parallelize_model(model, self.parallel_dims, cfg, self.distributed)
         model.to_empty(device=self.device)
         model.init_weights()
@@ -222,11 +250,7 @@ class Trainer:
         self.shadow_weights = (cfg.optimizer.shadow_weights and cfg.optimizer.implementation == "triton"
                                and not self.distributed and t.mixed_precision_param == "bfloat16"
                                and self.grad_accum_steps == 1)
-        pow2 = False
-        if self.weight_cache_mode == "fp8_blockwise":
-            from kernels.moe.mega_fp8 import MegaFP8Options
-
-            pow2 = MegaFP8Options().pow2_scales  # the options the model's mega_fp8 calls run with
+        pow2 = self.fp8_options.pow2_scales if self.fp8_options is not None else False
         copies = enable_compute_weights(self.model, self.weight_cache_mode, dtype, pow2, linears=self.shadow_weights,
                                         skip=(TokenChoiceTopKRouter,))
         self.shadowed_linears = [m for m in self.model.modules() if isinstance(m, ComputeLinear)]

@@ -96,7 +96,8 @@ def time_moe_ops(T=16384, top_k=8, E=128, shapes=SHAPES, iters=20, device="cuda"
     """Median ms of the whole MoE op, forward and forward + backward: bf16 ``mega``, ``mega_fp8``
     quantizing its weights per call, and ``mega_fp8`` as the trainer runs it with the expert weight
     cache (``cached``: e4m3 copies made beforehand, float32 master weights as gradient carriers,
-    their gradients written in float32); the cached op also with ``wgrad = "bf16"``. Each row's
+    their gradients written in float32); the cached op also with ``wgrad = "bf16"`` and with every
+    GEMM on the Triton engine (the default ``auto`` takes the Gluon kernels on an sm_90 GPU). Each row's
     ratio is bf16 ``mega`` / it.
 
     ``timer(fn, iters)`` returns ms (default: CUDA events, :func:`bench.timing.time_ms`); the tests run
@@ -118,6 +119,7 @@ def time_moe_ops(T=16384, top_k=8, E=128, shapes=SHAPES, iters=20, device="cuda"
             "mega_fp8, weights quantized per call": (get_moe_backend("mega_fp8"), (w1, w3, w2)),
             "mega_fp8 cached": (cached, master),
             "  + bf16 wgrad": (functools.partial(cached, options=MegaFP8Options(wgrad="bf16")), master),
+            "  engine triton": (functools.partial(cached, options=MegaFP8Options(engine="triton")), master),
         }
         flops = 2 * T * top_k * D * F * 3  # forward: gate, up, down
         ms = {}

@@ -35,6 +35,22 @@ def make_inputs(M: int, N: int, K: int, device="cuda", generator: torch.Generato
     return [t.to(device) for t in (a_q, a_s, b_q, b_s)]
 
 
+def make_wgrad_inputs(counts: list[int], M: int, NCOL: int, device="cuda", generator: torch.Generator | None = None):
+    """The wgrad's token-dim-quantized operands (``quantize_cols_grouped``) for experts with ``counts``
+    rows each: dY (rows, M) and X (rows, NCOL) drawn on the CPU from ``generator``, a few rows 100x
+    larger. Returns (at_q, at_s, bt_q, bt_s, offsets_E1) on ``device``."""
+    from kernels.fp8.blockwise import quantize_cols_grouped
+
+    rows = sum(counts)
+    dy = torch.randn(rows, M, generator=generator)
+    x = torch.randn(rows, NCOL, generator=generator)
+    if rows:
+        dy[torch.randint(0, rows, (max(1, rows // 50), ), generator=generator)] *= 100
+    offsets_E1 = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+    dy, x = (t.to(device=device, dtype=torch.bfloat16) for t in (dy, x))
+    return (*quantize_cols_grouped(dy, offsets_E1), *quantize_cols_grouped(x, offsets_E1), offsets_E1)
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm()).item()
 
@@ -50,10 +66,43 @@ VARIANTS = {"st4_g8": dict(stages=4, group_m=8), "st5_g8": dict(stages=5, group_
             "st4_g8_unscaled": dict(stages=4, group_m=8, scaled=False)}
 
 
+WGRAD_VARIANTS = {"ws_st4_g8": dict(stages=4, group_m=8), "ws_st3_g8": dict(stages=3, group_m=8),
+                  "ws_st4_g4": dict(stages=4, group_m=4),
+                  "ws_st4_g8_bf16out": dict(stages=4, group_m=8, out_dtype=torch.bfloat16)}
+
+
+def time_wgrad(shapes: str, iters: int, experts: int = 128, rows: int = 131072) -> list[dict]:
+    """The K-grouped wgrad dW[e] (M x Ncol) over ``rows`` expert-sorted rows split evenly over
+    ``experts``: the Triton kernel (kernels/fp8/grouped_gemm.fp8_wgrad) against the Gluon one, fp32
+    output as the op writes it; relative errors against a float32 reference."""
+    from kernels.fp8.grouped_gemm import fp8_wgrad, fp8_wgrad_ref
+    from kernels.fp8.hopper_wgrad import fp8_wgrad_ws
+
+    out = []
+    for shape in shapes.split(","):
+        M, NCOL = map(int, shape.split("x"))
+        at_q, at_s, bt_q, bt_s, offs = make_wgrad_inputs([rows // experts] * experts, M, NCOL)
+        ref = fp8_wgrad_ref(at_q, at_s, bt_q, bt_s, offs)
+        flop = 2 * rows * M * NCOL
+        res = {"shape": f"{M}x{NCOL} ({experts}e)"}
+        fns = {"triton": lambda: fp8_wgrad(at_q, at_s, bt_q, bt_s, offs)}
+        fns.update({n: (lambda kw=kw: fp8_wgrad_ws(at_q, at_s, bt_q, bt_s, offs, **kw)) for n, kw in WGRAD_VARIANTS.items()})
+        for name, fn in fns.items():
+            res[name + "_err"] = rel_err(fn(), ref)
+            res[name] = flop / time_ms(fn, iters) / 1e9
+            print(f"wgrad {shape} {name}: {res[name]:.0f} TFLOP/s (err {res[name + '_err']:.1e})", flush=True)
+        out.append(res)
+        del ref
+        torch.cuda.empty_cache()
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="8192x8192x8192,131072x1536x2048,131072x2048x768,131072x3072x4096,131072x4096x1536")
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--wgrad-shapes", default="768x2048,2048x768,1536x4096,4096x1536",
+                   help="M x Ncol of the K-grouped wgrad over 131072 rows, 128 experts ('' skips)")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
@@ -96,11 +145,16 @@ def main() -> None:
         del a_q, b_q, ref32
         torch.cuda.empty_cache()
 
+    wrows = time_wgrad(args.wgrad_shapes, args.iters) if args.wgrad_shapes else []
     with open(os.path.join(args.out, "hopper_gemm.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+        json.dump({"dense": rows, "wgrad": wrows}, f, indent=1)
     print(f"\n{'TFLOP/s':<28}" + "".join(f"{r['shape']:>18}" for r in rows))
     for name in ["cublas"] + names:
         print(f"{name:<28}" + "".join(f"{r[name]:>18.0f}" for r in rows))
+    if wrows:
+        print(f"\n{'wgrad TFLOP/s':<28}" + "".join(f"{r['shape']:>18}" for r in wrows))
+        for name in [k for k in wrows[0] if k != "shape" and not k.endswith("_err")]:
+            print(f"{name:<28}" + "".join(f"{r[name]:>18.0f}" for r in wrows))
     if bad:
         raise SystemExit(f"FAILED correctness: {bad}")
 

@@ -180,6 +180,9 @@ class Quantize:
     moe: str = _field("none", "expert GEMM precision: fp8_blockwise (DeepSeek-V3 style block scales; backend "
                       "mega) or fp8_rowwise (TorchTitan's rowwise scaled grouped GEMM; backend grouped_mm)",
                       choices=("none", "fp8_blockwise", "fp8_rowwise"))
+    fp8_gemm_engine: str = _field("auto", "kernels of moe = fp8_blockwise's GEMMs that have two: gluon "
+                                  "(warp-specialized, sm_90 GPUs only), triton, or auto (gluon where it runs)",
+                                  choices=("auto", "gluon", "triton"))
     linear: str = _field("none", "dense linear precision: fp8_rowwise runs the attention projections' three GEMMs "
                          "in rowwise-scaled e4m3 (torch._scaled_mm); embedding, norms, router, output head stay "
                          "bf16", choices=("none", "fp8_rowwise"))

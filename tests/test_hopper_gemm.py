@@ -1,4 +1,4 @@
-"""The warp-specialized Gluon FP8 GEMM (kernels/fp8/hopper_gemm.py).
+"""The warp-specialized Gluon FP8 GEMMs (kernels/fp8/hopper_gemm.py, hopper_wgrad.py) and the engine choice.
 
 - Everywhere (CPU included): the kernel compiles for sm_90a with Triton's own ptxas, its SASS uses
   the FP8 warpgroup MMA (QGMMA) and spills nothing to local memory. Gluon kernels have no CPU
@@ -21,8 +21,11 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.runtime.jit import mangle_type  # noqa: E402
 
-from bench.hopper_gemm import make_inputs  # noqa: E402
+from bench.hopper_gemm import make_inputs, make_wgrad_inputs  # noqa: E402
 from kernels.fp8 import hopper_gemm as H  # noqa: E402
+from kernels.fp8 import hopper_wgrad as W  # noqa: E402
+from kernels.fp8.engine import resolve_engine  # noqa: E402
+from kernels.fp8.grouped_gemm import fp8_wgrad, fp8_wgrad_ref  # noqa: E402
 from tests.utils import random_seed  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -30,27 +33,49 @@ IS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
-def _compile_sm90(stages: int, scaled: bool):
-    """Compile the kernel for sm_90a without a GPU (host tensors stand in for the descriptors' bases)."""
-    fn = H._fp8_gemm_kernel
-    M = N = K = 1024
-    args = dict(a_desc=H._descriptor(torch.empty(M, K, dtype=FP8), [128, 128], gl.float8e4nv),
-                b_desc=H._descriptor(torch.empty(N, K, dtype=FP8), [128, 128], gl.float8e4nv),
-                c_desc=H._descriptor(torch.empty(M, N, dtype=torch.bfloat16), [64, 128], gl.bfloat16),
-                as_ptr=torch.empty(8, M), bs_ptr=torch.empty(8, 8), M=M, N=N, K=K)
-    consts = dict(STAGES=stages, GROUP_M=8, SCALED=scaled)
+def _compile_sm90(fn, args: dict, consts: dict, divisible: tuple[str, ...]):
+    """Compile a Gluon kernel for sm_90a without a GPU (host tensors stand in for the descriptors'
+    bases); ``divisible`` names the arguments specialized as multiples of 16."""
     names = list(fn.arg_names)
     signature = {n: "constexpr" if n in consts else mangle_type(args[n]) for n in names}
     constexprs = {(names.index(n), ): v for n, v in consts.items()}
-    attrs = {(names.index(n), ): [["tt.divisibility", 16]] for n in ("as_ptr", "bs_ptr", "M", "N", "K")}
+    attrs = {(names.index(n), ): [["tt.divisibility", 16]] for n in divisible}
     src = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": H.MAXNREG})
 
 
+def _fp8_descriptors(rows_a: int, rows_b: int, K: int, out_dtype: torch.dtype) -> dict:
+    gl_out = gl.bfloat16 if out_dtype == torch.bfloat16 else gl.float32
+    return dict(a_desc=H._descriptor(torch.empty(rows_a, K, dtype=FP8), [128, 128], gl.float8e4nv),
+                b_desc=H._descriptor(torch.empty(rows_b, K, dtype=FP8), [128, 128], gl.float8e4nv),
+                c_desc=H._descriptor(torch.empty(rows_a, rows_b, dtype=out_dtype), [64, 128], gl_out))
+
+
+def _compile_gemm(stages: int, scaled: bool):
+    M = N = K = 1024
+    args = dict(_fp8_descriptors(M, N, K, torch.bfloat16), as_ptr=torch.empty(8, M), bs_ptr=torch.empty(8, 8), M=M,
+                N=N, K=K)
+    return _compile_sm90(H._fp8_gemm_kernel, args, dict(STAGES=stages, GROUP_M=8, SCALED=scaled),
+                         ("as_ptr", "bs_ptr", "M", "N", "K"))
+
+
+def _compile_wgrad(stages: int, out_dtype: torch.dtype):
+    M = NCOL = LD = 1024
+    # Scales tile-major as quantize_cols_grouped stores them: unit stride along the rows.
+    args = dict(_fp8_descriptors(M, NCOL, LD, out_dtype), as_ptr=torch.empty(M, 8), bs_ptr=torch.empty(NCOL, 8),
+                tile_offs_ptr=torch.empty(9, dtype=torch.int32), E=8, M=M, NCOL=NCOL, SA_R=1, SA_T=M, SB_R=1,
+                SB_T=NCOL)
+    return _compile_sm90(W._fp8_wgrad_kernel, args, dict(STAGES=stages, GROUP_M=8, SA_R=1, SB_R=1),
+                         ("as_ptr", "bs_ptr", "tile_offs_ptr", "M", "NCOL", "SA_T", "SB_T"))
+
+
 @pytest.mark.skipif(not os.path.exists(os.path.join(BIN, "cuobjdump")), reason="triton ships no cuobjdump here")
-@pytest.mark.parametrize("stages,scaled", [(4, True), (5, True), (4, False)])
-def test_compiles_for_sm90_without_spills(tmp_path, stages, scaled):
-    kernel = _compile_sm90(stages, scaled)
+@pytest.mark.parametrize("kernel", ["gemm_st4", "gemm_st5", "gemm_st4_unscaled", "wgrad_st4_fp32", "wgrad_st4_bf16"])
+def test_compiles_for_sm90_without_spills(tmp_path, kernel):
+    kernel = {"gemm_st4": lambda: _compile_gemm(4, True), "gemm_st5": lambda: _compile_gemm(5, True),
+              "gemm_st4_unscaled": lambda: _compile_gemm(4, False),
+              "wgrad_st4_fp32": lambda: _compile_wgrad(4, torch.float32),
+              "wgrad_st4_bf16": lambda: _compile_wgrad(4, torch.bfloat16)}[kernel]()
     cubin = tmp_path / "k.cubin"
     cubin.write_bytes(kernel.asm["cubin"])
     sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
@@ -99,3 +124,56 @@ def test_rejects_what_it_cannot_run():
         H.fp8_gemm(a_q, a_s.contiguous(), b_q, b_s)
     with pytest.raises(ValueError, match="e4m3"):
         H.fp8_gemm(a_q.float(), a_s.t().contiguous(), b_q, b_s)
+
+
+# Expert row counts: balanced, an expert with no rows, every row on one expert, counts that are not
+# multiples of the 128-row tile, a single row.
+WGRAD_ROUTINGS = {"uneven": [300, 0, 129, 1024, 5, 128], "one_expert": [0, 0, 1000, 0], "single_row": [1, 0],
+                  "balanced": [512] * 8}
+
+
+@pytest.mark.skipif(not IS_HOPPER, reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.parametrize("routing", list(WGRAD_ROUTINGS))
+@pytest.mark.parametrize("M,NCOL", [(256, 384), (768, 2048), (128, 136)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_wgrad_matches_float64(routing, M, NCOL, out_dtype):
+    if out_dtype == torch.bfloat16 and NCOL % 8:
+        pytest.skip("bf16 rows of 136 columns are not 16-byte aligned")
+    seed = random_seed()
+    gen = torch.Generator().manual_seed(seed)
+    at_q, at_s, bt_q, bt_s, offs = make_wgrad_inputs(WGRAD_ROUTINGS[routing], M, NCOL, generator=gen)
+    out = W.fp8_wgrad_ws(at_q, at_s, bt_q, bt_s, offs, out_dtype)
+    ref = fp8_wgrad_ref(at_q, at_s, bt_q, bt_s, offs)
+    assert out.shape == ref.shape and out.dtype == out_dtype
+    counts = offs.diff().tolist()
+    for e, n in enumerate(counts):
+        if n == 0:
+            assert (out[e] == 0).all(), f"seed {seed}: expert {e} has no rows but a nonzero gradient"
+    # Inside a 128-token block Hopper's FP8 MMA keeps ~14 mantissa bits; bf16 output rounds to 2^-9.
+    tol = 4e-3 if out_dtype == torch.bfloat16 else 1e-3
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < tol, f"seed {seed}: relative error {err:.2e}"
+    # The Triton kernel computes the same sums: both engines agree closely.
+    tri = fp8_wgrad(at_q, at_s, bt_q, bt_s, offs, out_dtype)
+    assert ((out.double() - tri.double()).norm() / ref.norm()).item() < tol
+
+
+@pytest.mark.skipif(not IS_HOPPER, reason="needs an sm_90 (Hopper) GPU")
+def test_wgrad_rejects_what_it_cannot_run():
+    at_q, at_s, bt_q, bt_s, offs = make_wgrad_inputs([200, 10], 192, 256, generator=torch.Generator().manual_seed(0))
+    assert not W.wgrad_supported(192, 256, torch.float32)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        W.fp8_wgrad_ws(at_q, at_s, bt_q, bt_s, offs)
+    with pytest.raises(ValueError, match="at_s"):
+        W.fp8_wgrad_ws(at_q[:128], at_s[:64], bt_q, bt_s, offs)
+
+
+def test_engine_choice():
+    with pytest.raises(ValueError, match="one of"):
+        resolve_engine("cutlass", "cpu")
+    assert resolve_engine("triton", "cpu") == "triton"
+    assert resolve_engine("auto", "cpu") == "triton"
+    with pytest.raises(RuntimeError, match="cannot run"):
+        resolve_engine("gluon", "cpu")
+    if IS_HOPPER and os.environ.get("TRITON_INTERPRET") != "1":
+        assert resolve_engine("auto", "cuda") == "gluon"

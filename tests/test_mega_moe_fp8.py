@@ -109,15 +109,16 @@ def _assert_tight(got, want, name, msg, magnitude=None, requantized=False):
         f"{name}: {beyond} of {got.numel()} entries differ by more than a bf16 ulp; {msg}")
 
 
-def _check(T, K, E, D, F, kind, outliers=False, wgrad="fp8", pow2=False, dh_quant=False):
+def _check(T, K, E, D, F, kind, outliers=False, wgrad="fp8", pow2=False, dh_quant=False, engine="auto"):
     """One forward + backward through the op's autograd; FP8-level and tight checks of everything."""
     seed = random_seed()
     x, ids, s, w1, w3, w2, dy = _inputs(T, K, E, D, F, kind, outliers)
-    msg = f"seed={seed} T={T} K={K} E={E} D={D} F={F} {kind} outliers={outliers} wgrad={wgrad} pow2={pow2}"
+    msg = (f"seed={seed} T={T} K={K} E={E} D={D} F={F} {kind} outliers={outliers} wgrad={wgrad} pow2={pow2} "
+           f"engine={engine}")
     leaves = [t.clone().requires_grad_() for t in (x, s, w1, w3, w2)]
     # Through the custom op itself (what mega_moe_fp8 calls) so that H and the routing metadata are
     # at hand for the tight reference.
-    y, h, slots, offs = torch.ops.mega_moe_fp8.forward(leaves[0], ids, *leaves[1:], wgrad, pow2, [])
+    y, h, slots, offs = torch.ops.mega_moe_fp8.forward(leaves[0], ids, *leaves[1:], wgrad, pow2, engine, [])
     grads = torch.autograd.grad(y, leaves, dy)
     assert y.dtype == BF16 and y.shape == (T, D), msg
     for name, g, leaf in zip(GRADS, grads, leaves):
@@ -241,8 +242,9 @@ def test_options():
     leaves = [t.clone().requires_grad_() for t in (x, s, w1, w3, w2)]
     y = mega_moe_fp8(leaves[0], ids, *leaves[1:], options=opts)
     got = [y, *torch.autograd.grad(y, leaves, dy)]
-    want_y, h, slots, offs = torch.ops.mega_moe_fp8.forward(x, ids, s, w1, w3, w2, "bf16", True, [])
-    dx, dw1, dw3, dw2, ds = torch.ops.mega_moe_fp8.backward(dy, x, s, w1, w3, w2, h, slots, offs, "bf16", True, [])
+    want_y, h, slots, offs = torch.ops.mega_moe_fp8.forward(x, ids, s, w1, w3, w2, "bf16", True, "auto", [])
+    dx, dw1, dw3, dw2, ds = torch.ops.mega_moe_fp8.backward(dy, x, s, w1, w3, w2, h, slots, offs, "bf16", True, "auto",
+                                                            [])
     for name, a, b in zip(("y", "dx", "ds", "dw1", "dw3", "dw2"), got, (want_y, dx, ds, dw1, dw3, dw2)):
         assert torch.equal(a, b), f"seed {seed}: {name}"
 
@@ -325,7 +327,7 @@ def test_bench_code_paths():
 
     rows = fp8_kernels.time_moe_ops(T=8, top_k=2, E=2, shapes={"tiny": (128, 128)}, iters=1,
                                     device=DEVICE, timer=wall_ms if not _HAS_CUDA else None)
-    assert len(rows) == 5 and "cached" in rows[3] and all("TFLOP/s" in r for r in rows[1:]), rows
+    assert len(rows) == 6 and "cached" in rows[3] and all("TFLOP/s" in r for r in rows[1:]), rows
 
 
 @pytest.mark.skipif(_HAS_CUDA, reason="the GPU runs the real sweep (python -m bench.fp8_kernels --sweep)")
@@ -343,6 +345,8 @@ def test_bench_sweep_code_paths():
 
 
 @pytest.mark.skipif(not _HAS_CUDA, reason="needs a CUDA GPU (H200)")
-def test_gpu_30b_shape():
-    errors = _check(2048, 8, 128, 2048, 768, "random")
+@pytest.mark.parametrize("engine", ["auto", "triton"])
+def test_gpu_30b_shape(engine):
+    """``auto`` runs the weight gradients on the Gluon engine on an sm_90 GPU."""
+    errors = _check(2048, 8, 128, 2048, 768, "random", engine=engine)
     assert errors["y"] < 0.07, errors

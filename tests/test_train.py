@@ -307,6 +307,31 @@ def test_mega_on_cpu_is_refused_outside_the_interpreter(monkeypatch, capsys, qua
 
 
 @pytest.mark.unit
+def test_fp8_gemm_engine_key(monkeypatch, capsys):
+    """``[quantize] fp8_gemm_engine``: "gluon" where it cannot run stops at start saying why; the
+    chosen engine reaches every mega_fp8 expert module and is logged once."""
+    from models.moe.moe import GroupedExperts
+    from train import check_implemented, configure_fp8_experts
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg = JobConfig()
+    cfg.moe.backend, cfg.quantize.moe, cfg.training.device = "mega", "fp8_blockwise", "cpu"
+    cfg.quantize.fp8_gemm_engine = "gluon"
+    with pytest.raises(ConfigError, match="fp8_gemm_engine = \"gluon\" cannot run: the Triton interpreter"):
+        check_implemented(cfg)
+    cfg.quantize.fp8_gemm_engine = "auto"
+    check_implemented(cfg)
+    model = torch.nn.ModuleList([GroupedExperts(128, 128, 2, "mega_fp8"), GroupedExperts(128, 128, 2, "mega")])
+    lines = []
+    options = configure_fp8_experts(model, cfg.quantize, torch.device("cpu"), lines.append)
+    assert options.engine == "auto" and model[0].backend.keywords == {"options": options}
+    assert not hasattr(model[1].backend, "keywords")
+    assert lines == ["FP8 expert GEMMs: triton engine (the Triton interpreter runs (TRITON_INTERPRET=1) and Gluon "
+                     "kernels have none)"]
+    assert configure_fp8_experts(model[1:], cfg.quantize, torch.device("cpu"), lines.append) is None
+
+
+@pytest.mark.unit
 def test_torchtitan_backend_without_its_package(capsys):
     import importlib.util
 

@@ -273,7 +273,7 @@ def _dual_kernel(
 def _cols_grouped_kernel(
     x_ptr,  # (T, K) if GATHER else (Nr, K)
     qt_ptr,  # (K, LDQ) uint8 out
-    st_ptr,  # (K, num_tiles) fp32 out
+    st_ptr,  # (num_tiles, K) fp32 out: a tile's K scales contiguous
     sorted_slot_ptr,  # (Nr,) int32 (read if GATHER)
     offsets_ptr,  # (E+1,) int32
     table_ptr,  # (2, num_tiles) int32, block_m = 128
@@ -296,7 +296,7 @@ def _cols_grouped_kernel(
     if expert < 0:
         # Surplus tile of the static schedule: a defined scale and its 128 columns of zeros (every
         # column of qt is then written, and the GEMM reads them unmasked).
-        tl.store(st_ptr + k64 * num_tiles + pid_t, tl.zeros((BLOCK_K,), tl.float32), mask=kmask)
+        tl.store(st_ptr + pid_t * K + k64, tl.zeros((BLOCK_K,), tl.float32), mask=kmask)
         zeros = tl.zeros((_TILE, BLOCK_K), tl.uint8)
         tl.store(qt_ptr + k64[None, :] * LDQ + pid_t * _TILE + offs_r[:, None], zeros, mask=kmask[None, :])
         return
@@ -315,7 +315,7 @@ def _cols_grouped_kernel(
     # The whole 128-column block of tile pid_t: rows past the expert's end were loaded as +0.0,
     # which quantizes to the byte 0x00, so the block's tail is the zero padding the GEMM relies on.
     tl.store(qt_ptr + k64[None, :] * LDQ + pid_t * _TILE + offs_r[:, None], q, mask=kmask[None, :])
-    tl.store(st_ptr + k64 * num_tiles + pid_t, s, mask=kmask)
+    tl.store(st_ptr + pid_t * K + k64, s, mask=kmask)
 
 
 @triton.jit
@@ -473,7 +473,9 @@ def quantize_cols_grouped(
             vectorized, for E * 128 more columns than the rows.
         st_KT: (K, n_tiles) fp32, n_tiles = Nr // 128 + E: column i is tile i of the 128-row tile
             table; tile i covers rows ``[row0_i, min(row0_i + 128, end of its expert))``; surplus
-            tiles get 0.
+            tiles get 0. Stored tile-major, (n_tiles, K) contiguous, and returned as its transposed
+            view (strides (1, K)), so that a GEMM reads one tile's scales for consecutive rows of
+            K in one contiguous copy.
     """
     _check_input(x, 2, "x")
     Nr = sorted_slot_N.numel() if sorted_slot_N is not None else x.shape[0]
@@ -482,7 +484,7 @@ def quantize_cols_grouped(
     n_tiles = max_tiles(Nr, E, TILE)
     ldq = n_tiles * TILE
     qt = torch.empty((K, ldq), device=x.device, dtype=FP8)
-    st = torch.empty((K, n_tiles), device=x.device, dtype=torch.float32)
+    st = torch.empty((n_tiles, K), device=x.device, dtype=torch.float32).t()
     if K == 0 or n_tiles == 0:
         return qt, st
     if tiles is None:

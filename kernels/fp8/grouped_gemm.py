@@ -525,9 +525,9 @@ def fp8_gate_up_swiglu(
 @triton.jit
 def _fp8_wgrad_kernel(
     at_ptr,  # (M, LD) e4m3: dY^T, token dim contiguous
-    ats_ptr,  # (M, num_tiles) fp32
+    ats_ptr,  # (M, num_tiles) fp32, strides (SA_R, SA_T)
     bt_ptr,  # (Ncol, LD) e4m3: X^T
-    bts_ptr,  # (Ncol, num_tiles) fp32
+    bts_ptr,  # (Ncol, num_tiles) fp32, strides (SB_R, SB_T)
     out_ptr,  # (E, M, Ncol)
     offsets_ptr,  # (E+1,) int32 row offsets
     tile_offsets_ptr,  # (E+1,) int32 offsets of each expert's 128-row tiles
@@ -537,6 +537,10 @@ def _fp8_wgrad_kernel(
     LD,  # row stride of at/bt: num_tiles * 128
     M,
     NCOL,
+    SA_R,
+    SA_T,
+    SB_R,
+    SB_T,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SOFT: tl.constexpr,
@@ -555,8 +559,8 @@ def _fp8_wgrad_kernel(
     # no rows runs no step and stores zeros. Scales prefetched one step ahead (see _promote's
     # note); the first load is clamped to a valid tile for an expert with none.
     t_first = tl.minimum(t0, tl.maximum(num_tiles - 1, 0))
-    sa = tl.load(ats_ptr + offs_m_ld * num_tiles + t_first)
-    sb = tl.load(bts_ptr + offs_n_ld * num_tiles + t_first)
+    sa = tl.load(ats_ptr + offs_m_ld * SA_R + t_first * SA_T)
+    sb = tl.load(bts_ptr + offs_n_ld * SB_R + t_first * SB_T)
     for t in range(t0, t1):
         if TMA:
             # Through descriptors: rows past M / Ncol read zeros (dropped).
@@ -570,14 +574,39 @@ def _fp8_wgrad_kernel(
             a = tl.load(at_ptr + offs_m_ld[:, None] * LD + cols[None, :])
             b = tl.load(bt_ptr + offs_n_ld[None, :] * LD + cols[:, None])
         t_next = tl.minimum(t + 1, t1 - 1)
-        sa_next = tl.load(ats_ptr + offs_m_ld * num_tiles + t_next)
-        sb_next = tl.load(bts_ptr + offs_n_ld * num_tiles + t_next)
+        sa_next = tl.load(ats_ptr + offs_m_ld * SA_R + t_next * SA_T)
+        sb_next = tl.load(bts_ptr + offs_n_ld * SB_R + t_next * SB_T)
         acc = _promote(acc, tl.dot(a, b), sa, sb, False)
         sa, sb = sa_next, sb_next
 
     out_off = expert.to(tl.int64) * M * NCOL + offs_m.to(tl.int64)[:, None] * NCOL + offs_n[None, :]
     omask = (offs_m < M)[:, None] & (offs_n < NCOL)[None, :]
     tl.store(out_ptr + out_off, cast_out(acc, out_ptr.dtype.element_ty, SOFT), mask=omask)
+
+
+def check_wgrad_operands(at_q, at_s, bt_q, bt_s, offsets_E1, out_dtype) -> tuple[int, int, int, int]:
+    """Validate the wgrad operands (see :func:`fp8_wgrad`); returns (M, Ncol, E, n_tiles)."""
+    _check_fp8(at_q, 2, "at_q")
+    _check_fp8(bt_q, 2, "bt_q")
+    M, ld = at_q.shape
+    NCOL = bt_q.shape[0]
+    if bt_q.shape[1] != ld:
+        raise ValueError(f"at_q and bt_q must have the same rows (dim 1): {ld} vs {bt_q.shape[1]}")
+    E = offsets_E1.numel() - 1
+    n_tiles = at_s.shape[-1] if at_s.dim() == 2 else -1
+    if n_tiles < E or ld != n_tiles * TILE:
+        raise ValueError(
+            f"fp8_wgrad expects at_q (M, n_tiles * 128) with at_s (M, n_tiles), n_tiles >= E = {E} "
+            f"(quantize_cols_grouped); got at_q {tuple(at_q.shape)}, at_s {tuple(at_s.shape)}"
+        )
+    for name, st, rows in (("at_s", at_s, M), ("bt_s", bt_s, NCOL)):
+        # Any strides: quantize_cols_grouped's are tile-major (1, K); a row slice keeps them.
+        if st.dtype != torch.float32 or tuple(st.shape) != (rows, n_tiles):
+            raise ValueError(f"{name}: expected fp32 scales of shape {(rows, n_tiles)}, got {st.dtype} "
+                             f"{tuple(st.shape)}")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"out_dtype must be bf16 or fp32, got {out_dtype}")
+    return M, NCOL, E, n_tiles
 
 
 def fp8_wgrad(
@@ -610,23 +639,8 @@ def fp8_wgrad(
     Returns:
         (E, M, Ncol) ``out_dtype``; zeros for an expert with no rows.
     """
-    _check_fp8(at_q, 2, "at_q")
-    _check_fp8(bt_q, 2, "bt_q")
-    M, ld = at_q.shape
-    NCOL = bt_q.shape[0]
-    if bt_q.shape[1] != ld:
-        raise ValueError(f"at_q and bt_q must have the same rows (dim 1): {ld} vs {bt_q.shape[1]}")
-    E = offsets_E1.numel() - 1
-    n_tiles = at_s.shape[-1] if at_s.dim() == 2 else -1
-    if n_tiles < E or ld != n_tiles * TILE:
-        raise ValueError(
-            f"fp8_wgrad expects at_q (M, n_tiles * 128) with at_s (M, n_tiles), n_tiles >= E = {E} "
-            f"(quantize_cols_grouped); got at_q {tuple(at_q.shape)}, at_s {tuple(at_s.shape)}"
-        )
-    _check_scales(at_s, (M, n_tiles), "at_s")
-    _check_scales(bt_s, (NCOL, n_tiles), "bt_s")
-    if out_dtype not in (torch.bfloat16, torch.float32):
-        raise TypeError(f"out_dtype must be bf16 or fp32, got {out_dtype}")
+    M, NCOL, E, n_tiles = check_wgrad_operands(at_q, at_s, bt_q, bt_s, offsets_E1, out_dtype)
+    ld = at_q.shape[1]
     bm, bn = _block_sizes(block_m, block_n)
     if interpreting() and block_m is None:
         bm = 32
@@ -640,7 +654,7 @@ def fp8_wgrad(
         num_stages = 3 if at_desc is not None and bt_desc is not None else 4
     _fp8_wgrad_kernel[(E * triton.cdiv(M, bm) * triton.cdiv(NCOL, bn),)](
         at_q, at_s, bt_q, bt_s, out, offsets_E1, tile_offs, at_desc, bt_desc, n_tiles, ld, M, NCOL,
-        BLOCK_M=bm, BLOCK_N=bn, SOFT=interpreting(),
+        *at_s.stride(), *bt_s.stride(), BLOCK_M=bm, BLOCK_N=bn, SOFT=interpreting(),
         TMA=at_desc is not None and bt_desc is not None,
         num_warps=num_warps if not interpreting() else 4, num_stages=num_stages,
     )  # fmt: skip

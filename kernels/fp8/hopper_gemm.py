@@ -51,6 +51,25 @@ def _tile_coords(tile, num_m, num_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
+def load_stage(a_desc, b_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, it, a_row, b_row, k, as_src, as_mask,
+               bs_src, bs_mask):
+    """Producer step ``it``: once its ring stage is free, copy the scales (cp.async from the
+    pointer tensors ``as_src`` / ``bs_src``) and the A and B tiles at (a_row, k), (b_row, k) (TMA)."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    s = it % STAGES
+    mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+    bar = ready.index(s)
+    # The scale copies' arrivals are registered before the TMA's, so the stage cannot complete
+    # without them.
+    async_copy.async_copy_global_to_shared(as_bufs.index(s), as_src, mask=as_mask)
+    async_copy.async_copy_global_to_shared(bs_bufs.index(s), bs_src, mask=bs_mask)
+    async_copy.mbarrier_arrive(bar)
+    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(a_desc, [a_row, k], bar, a_bufs.index(s))
+    tma.async_copy_global_to_shared(b_desc, [b_row, k], bar, b_bufs.index(s))
+
+
+@gluon.jit
 def _producer(a_desc, b_desc, as_ptr, bs_ptr, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, M, N, K,
               GROUP_M: gl.constexpr):
     """Streams each K block's A and B tiles (TMA) and their scales (cp.async: the row tile's
@@ -58,12 +77,10 @@ def _producer(a_desc, b_desc, as_ptr, bs_ptr, a_bufs, b_bufs, as_bufs, bs_bufs, 
     scale) into the ring of stages. A stage is ready when both kinds of copy have landed."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
     vec: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     num_m = (M + BLOCK_M - 1) // BLOCK_M
     num_n = (N + BLOCK_N - 1) // BLOCK_N
     kb_count = (K + BLOCK_K - 1) // BLOCK_K
-    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     offs = gl.arange(0, BLOCK_M, vec)
     lane = gl.arange(0, 4, gl.BlockedLayout([1], [32], [1], [0]))
     it = 0
@@ -71,18 +88,9 @@ def _producer(a_desc, b_desc, as_ptr, bs_ptr, a_bufs, b_bufs, as_bufs, bs_bufs, 
         pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
         rows = pid_m * BLOCK_M + offs
         for kb in range(kb_count):
-            s = it % STAGES
-            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-            bar = ready.index(s)
-            # The scale copies' arrivals are registered before the TMA's, so the stage cannot
-            # complete without them.
-            async_copy.async_copy_global_to_shared(as_bufs.index(s), as_ptr + kb * M + rows, mask=rows < M)
-            async_copy.async_copy_global_to_shared(bs_bufs.index(s), bs_ptr + pid_n * kb_count + kb + lane,
-                                                   mask=lane == 0)
-            async_copy.mbarrier_arrive(bar)
-            mbarrier.expect(bar, nbytes)
-            tma.async_copy_global_to_shared(a_desc, [pid_m * BLOCK_M, kb * BLOCK_K], bar, a_bufs.index(s))
-            tma.async_copy_global_to_shared(b_desc, [pid_n * BLOCK_N, kb * BLOCK_K], bar, b_bufs.index(s))
+            load_stage(a_desc, b_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, it, pid_m * BLOCK_M,
+                       pid_n * BLOCK_N, kb * BLOCK_K, as_ptr + kb * M + rows, rows < M,
+                       bs_ptr + pid_n * kb_count + kb + lane, lane == 0)
             it += 1
 
 

@@ -222,6 +222,17 @@ def _wgrad_blocks() -> tuple[int | None, int | None]:
     return (128, 128) if interpreting() else (None, None)
 
 
+def _wgrad(at_q, at_s, bt_q, bt_s, offsets_E1, out_dtype, engine: str) -> torch.Tensor:
+    """fp8_wgrad on the chosen engine; the Gluon kernel where it takes the sizes."""
+    if engine == "gluon":
+        from kernels.fp8.hopper_wgrad import fp8_wgrad_ws, wgrad_supported  # Gluon: imported where it runs
+
+        if wgrad_supported(at_q.shape[0], bt_q.shape[0], out_dtype):
+            return fp8_wgrad_ws(at_q, at_s, bt_q, bt_s, offsets_E1, out_dtype)
+    bm, bn = _wgrad_blocks()
+    return fp8_wgrad(at_q, at_s, bt_q, bt_s, offsets_E1, out_dtype, bm, bn)
+
+
 def _transposed(q: torch.Tensor) -> torch.Tensor:
     """e4m3 bytes transposed in the last two dims, contiguous (copied as uint8: plain bytes)."""
     return q.view(torch.uint8).mT.contiguous().view(FP8)
@@ -274,8 +285,10 @@ def moe_fp8_backward(
     wgrad: str = "fp8",
     pow2_scales: bool = False,
     quantized: QuantizedExpertWeights | None = None,
+    engine: str = "triton",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the FP8 backward. Inputs contiguous, dy/x bf16, routing weights fp32; the weights
+    """Launch the FP8 backward. ``engine`` ("gluon" or "triton", resolved by the caller:
+    ``kernels/fp8/engine.py``) runs the weight-gradient GEMMs. Inputs contiguous, dy/x bf16, routing weights fp32; the weights
     bf16, or of any float dtype when ``quantized`` holds their e4m3 copies (then only their shapes
     and dtypes are read).
     Empty slots (expert id -1) get zero gradients; an expert with no rows gets zero weight grads.
@@ -329,11 +342,10 @@ def moe_fp8_backward(
     xt_q, xt_s = quantize_cols_grouped(x_TD, offsets_E1, sorted_slot_N, K, pow2_scales, tiles128)
     dht_q, dht_s = quantize_cols_grouped(dh_N2F, offsets_E1, None, 1, pow2_scales, tiles128)
     del dh_N2F
-    bm, bn = _wgrad_blocks()
-    dw1_EFD = fp8_wgrad(dht_q[:F], dht_s[:F], xt_q, xt_s, offsets_E1, w1_EFD.dtype, bm, bn)
-    dw3_EFD = fp8_wgrad(dht_q[F:], dht_s[F:], xt_q, xt_s, offsets_E1, w3_EFD.dtype, bm, bn)
+    dw1_EFD = _wgrad(dht_q[:F], dht_s[:F], xt_q, xt_s, offsets_E1, w1_EFD.dtype, engine)
+    dw3_EFD = _wgrad(dht_q[F:], dht_s[F:], xt_q, xt_s, offsets_E1, w3_EFD.dtype, engine)
     del xt_q, xt_s, dht_q, dht_s
     dyt_q, dyt_s = quantize_cols_grouped(dy_TD, offsets_E1, sorted_slot_N, K, pow2_scales, tiles128)
     sat_q, sat_s = quantize_cols_grouped(sa_NF, offsets_E1, None, 1, pow2_scales, tiles128)
-    dw2_EDF = fp8_wgrad(dyt_q, dyt_s, sat_q, sat_s, offsets_E1, w2_EDF.dtype, bm, bn)
+    dw2_EDF = _wgrad(dyt_q, dyt_s, sat_q, sat_s, offsets_E1, w2_EDF.dtype, engine)
     return dx_TD, dw1_EFD, dw3_EFD, dw2_EDF, ds_TK

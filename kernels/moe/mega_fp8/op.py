@@ -19,7 +19,7 @@ be the float32 master weights, whose gradients the kernels then write in float32
 
 Options (:class:`MegaFP8Options`, passed per call as ``options=``; the defaults when None):
 ``wgrad`` "fp8" or "bf16" for the weight gradients, ``pow2_scales`` to round every scale up to a
-power of two. The custom ops take them as plain arguments, and the autograd formula hands the
+power of two, ``engine`` the FP8 GEMM engine (``kernels/fp8/engine.py``). The custom ops take them as plain arguments, and the autograd formula hands the
 forward's to the backward.
 """
 
@@ -29,6 +29,7 @@ import dataclasses
 
 import torch
 
+from kernels.fp8.engine import ENGINES, resolve_engine
 from kernels.moe import register_moe_backend
 from kernels.moe.mega.op import _backward_fake as _bf16_backward_fake
 from kernels.moe.mega.op import _check_device, _check_inputs
@@ -52,14 +53,19 @@ class MegaFP8Options:
         rounding out of the weight gradients: a numerical choice, not a speed one.
     pow2_scales: round every scale up to a power of two (rescaling is exact; a tile's largest
         value then maps into [224, 448] instead of to 448).
+    engine: "auto" (default), "gluon" or "triton": the kernels of the FP8 GEMMs that have a
+        warp-specialized Gluon version (``kernels/fp8/engine.py``; today the weight gradients).
     """
 
     wgrad: str = "fp8"
     pow2_scales: bool = False
+    engine: str = "auto"
 
     def __post_init__(self):
         if self.wgrad not in WGRAD_PRECISIONS:
             raise ValueError(f"MegaFP8Options.wgrad must be one of {WGRAD_PRECISIONS}, got {self.wgrad!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"MegaFP8Options.engine must be one of {ENGINES}, got {self.engine!r}")
 
 
 @torch.library.custom_op("mega_moe_fp8::forward", mutates_args=())
@@ -72,6 +78,7 @@ def _forward_op(
     w2_EDF: torch.Tensor,
     wgrad: str,
     pow2_scales: bool,
+    engine: str,
     wq: list[torch.Tensor],
 ) -> _Tensors4:
     """Returns (y_TD, h_N2F, sorted_slot_N int32, offsets_E1 int32); ``wgrad`` is for the backward;
@@ -86,7 +93,7 @@ def _quantized(wq: list[torch.Tensor], pow2_scales: bool) -> QuantizedExpertWeig
 
 
 @_forward_op.register_fake
-def _forward_fake(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, wgrad, pow2_scales, wq):
+def _forward_fake(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, wgrad, pow2_scales, engine, wq):
     # Outputs of the bf16 op's shapes and dtypes.
     return _bf16_forward_fake(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF)
 
@@ -104,19 +111,20 @@ def _backward_op(
     offsets_E1: torch.Tensor,
     wgrad: str,
     pow2_scales: bool,
+    engine: str,
     wq: list[torch.Tensor],
 ) -> _Tensors5:
     """Returns (dx_TD, dw1_EFD, dw3_EFD, dw2_EDF in the weights' dtypes, dtopk_weights_TK fp32)."""
     _check_device(x_TD)
     return moe_fp8_backward(
         dy_TD, x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, h_N2F, sorted_slot_N, offsets_E1, wgrad, pow2_scales,
-        _quantized(wq, pow2_scales),
+        _quantized(wq, pow2_scales), resolve_engine(engine, x_TD.device),
     )
 
 
 @_backward_op.register_fake
 def _backward_fake(dy_TD, x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, h_N2F, sorted_slot_N, offsets_E1,
-                   wgrad, pow2_scales, wq):
+                   wgrad, pow2_scales, engine, wq):
     return _bf16_backward_fake(dy_TD, x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, h_N2F, sorted_slot_N,
                                offsets_E1)
 
@@ -125,11 +133,11 @@ _N_SAVED = 8
 
 
 def _setup_context(ctx, inputs, output):
-    x_TD, _, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, wgrad, pow2_scales, wq = inputs
+    x_TD, _, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, wgrad, pow2_scales, engine, wq = inputs
     _, h_N2F, sorted_slot_N, offsets_E1 = output
     # The cached e4m3 copies are saved by reference (they live until the next optimizer step anyway).
     ctx.save_for_backward(x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, h_N2F, sorted_slot_N, offsets_E1, *wq)
-    ctx.wgrad, ctx.pow2_scales = wgrad, pow2_scales
+    ctx.wgrad, ctx.pow2_scales, ctx.engine = wgrad, pow2_scales, engine
 
 
 def _autograd_backward(ctx, dy_TD, _dh, _dslot, _doffsets):
@@ -137,9 +145,9 @@ def _autograd_backward(ctx, dy_TD, _dh, _dslot, _doffsets):
     saved = ctx.saved_tensors
     dy_TD = dy_TD.to(saved[0].dtype).contiguous()
     dx, dw1, dw3, dw2, ds = torch.ops.mega_moe_fp8.backward(
-        dy_TD, *saved[:_N_SAVED], ctx.wgrad, ctx.pow2_scales, list(saved[_N_SAVED:]))
+        dy_TD, *saved[:_N_SAVED], ctx.wgrad, ctx.pow2_scales, ctx.engine, list(saved[_N_SAVED:]))
     # The custom op's autograd wants the inputs' structure back: one None per tensor of wq.
-    return dx, None, ds, dw1, dw3, dw2, None, None, [None] * (len(saved) - _N_SAVED)
+    return dx, None, ds, dw1, dw3, dw2, None, None, None, [None] * (len(saved) - _N_SAVED)
 
 
 _forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -208,6 +216,7 @@ def mega_moe_fp8(
         w2_EDF.contiguous(),
         opts.wgrad,
         opts.pow2_scales,
+        opts.engine,
         quantized.tensors() if quantized is not None else [],
     )
     return y_TD
