@@ -28,6 +28,13 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
 
+def static_capacity(num_tokens: int, top_k: int, ep: int, num_local_experts: int, capacity_factor: float) -> int:
+    """C: the rows each rank sends every peer per all-to-all (the module docstring's formula, at least
+    one row so that every buffer has a shape); bench/comm_volume.py counts bytes with it."""
+    most_possible = num_tokens * min(top_k, num_local_experts)
+    return max(1, min(math.ceil(capacity_factor * num_tokens * top_k / ep), most_possible))
+
+
 class _Layout(NamedTuple):
     """One chunk's static-capacity send layout (:meth:`ExpertParallel._dispatch`), kept for its combine."""
 
@@ -66,8 +73,7 @@ class ExpertParallel:
         return self.shard_mesh.size() == 1
 
     def capacity(self, num_tokens: int, top_k: int) -> int:
-        most_possible = num_tokens * min(top_k, self.num_local_experts)
-        return max(1, min(math.ceil(self.capacity_factor * num_tokens * top_k / self.ep), most_possible))
+        return static_capacity(num_tokens, top_k, self.ep, self.num_local_experts, self.capacity_factor)
 
     def chunk_sizes(self, num_tokens: int) -> list[int]:
         """Token counts of the chunks: min(chunks, T) of them (one if T = 0), differing by at most

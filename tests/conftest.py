@@ -34,6 +34,7 @@ MODULE_TIERS = {
     "test_adamw": "kernels",
     "test_attention_bench": "unit",
     "test_checkpoint": "integration",
+    "test_comm_volume": "unit",
     "test_compare": "unit",
     "test_compile_overlap": "integration",
     "test_config": "unit",
