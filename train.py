@@ -42,6 +42,7 @@ from models.moe.router import TokenChoiceTopKRouter, update_expert_bias
 from models.qwen3.args import get_model_args
 from models.qwen3.model import Qwen3MoE, count_params
 from parallelisms import parallelize_model
+from parallelisms.ep_proxy import check_ep_proxy, describe_ep_proxy, ep_proxy_label
 from parallelisms.parallel_dims import build_parallel_dims
 from parallelisms.expert_parallel import finish_expert_grads
 from parallelisms.utils import clip_grad_norm_, clip_scale, init_distributed, report_error
@@ -162,6 +163,8 @@ class Trainer:
         self.device = resolve_device(t.device)
         world_size = init_distributed(self.device.type)
         self.distributed = torch.distributed.is_initialized()
+        proxy = cfg.experimental.simulate_expert_parallel_degree
+        check_ep_proxy(cfg, world_size, self.distributed, self.model_args.num_experts, m.flavor)
         self.parallel_dims = build_parallel_dims(cfg.parallelism, world_size, self.model_args.num_experts,
                                                  self.device.type)
         if self.device.type == "cuda":
@@ -181,6 +184,8 @@ class Trainer:
         check_output_folders(cfg, count_params(self.model_args)[0])
         # The header comes before the long parts (tokenizing, building the model), which say how long they took.
         self.log(self.describe())
+        if proxy > 1:
+            self.log(describe_ep_proxy(proxy, self.model_args.num_experts))
 
         self.tokenizer = build_tokenizer(m.tokenizer_path)
         if self.tokenizer.vocab_size > self.model_args.vocab_size:
@@ -212,7 +217,7 @@ class Trainer:
                  f"{self.weight_cache_mode or 'off'})")
         self.checkpoint = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, model, self.optimizer,
                                             self.lr_scheduler, self.dataloader,
-                                            model_identity(self.model_args, m.flavor), run_steps=t.steps)
+                                            model_identity(self.model_args, m.flavor, proxy), run_steps=t.steps)
         self.saved: list[Path] = []  # checkpoints this run wrote
         self._save_started: dict[Path, float] = {}
         self.checkpoint_s = 0.0  # time the loop spent blocked on checkpoint saves
@@ -220,7 +225,8 @@ class Trainer:
         self.metrics = MetricsLogger(
             cfg.metrics, self.device, flops_per_token(self.model_args, t.seq_len),
             tokens_per_step=t.local_batch_size * t.seq_len * self.grad_accum_steps,
-            log_dir=os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder))
+            log_dir=os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder),
+            proxy=ep_proxy_label(proxy) if proxy > 1 else "")
         # FSDP casts parameters itself (MixedPrecisionPolicy); a single process uses autocast.
         self.amp = (torch.autocast(self.device.type, dtype=torch.bfloat16)
                     if t.mixed_precision_param == "bfloat16" and not self.distributed else contextlib.nullcontext())

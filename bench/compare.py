@@ -521,6 +521,14 @@ def summarize(steps: dict[int, dict[str, float]], tokens_per_step: int,
     }
 
 
+def summarize_log(text: str, tokens_per_step: int, window: tuple[int, int]) -> dict[str, Any]:
+    """:func:`summarize` of a trainer's log, with ``proxy``: the line of ours that says the run
+    simulates one rank of expert parallelism (its times exclude the collectives), else None."""
+    proxy = next((line for line in _ANSI.sub("", text).splitlines()
+                  if line.startswith("simulating one rank of expert parallelism")), None)
+    return {**summarize(parse_step_lines(text), tokens_per_step, window), "proxy": proxy}
+
+
 def add_ratios(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Give each measured result ``vs_titan_best`` and ``vs_titan_bf16`` (tokens/s ratios) and
     return the baselines used."""
@@ -628,6 +636,8 @@ def markdown(report: dict[str, Any]) -> str:
             status += f": {r['reason'].replace('|', '/')}"
         if ok and r.get("window_note"):
             status += f" ({r['window_note']})"
+        if ok and r.get("proxy"):
+            status += " (proxy of one EP rank: collectives excluded)"
         tps = _fmt(r.get("tokens_per_s"), ",.0f") if ok else ""
         if ok and r.get("tokens_per_s_each"):
             tps += f" ({min(r['tokens_per_s_each']):,.0f}-{max(r['tokens_per_s_each']):,.0f})"
@@ -878,7 +888,7 @@ def main(argv: list[str] | None = None) -> int:
         log_path = out / "logs" / (f"{run.name}.log" if i == 0 else f"{run.name}.rep{i + 1}.log")
         if args.reuse and log_path.is_file():
             text = log_path.read_text(encoding="utf-8", errors="replace")
-            summary = summarize(parse_step_lines(text), args.seq_len, (lo, hi))
+            summary = summarize_log(text, args.seq_len, (lo, hi))
             if summary.get("steps_logged") and not summary.get("window_note") and text.startswith("$ " + shlex.join(run.cmd)):
                 entry.update(summary, log=display([str(log_path)]), status="ok", reused=True, skip="")
                 print(f"[{run.name}] reused {log_path}: {summary['tokens_per_s']:,.0f} tokens/s", flush=True)
@@ -895,7 +905,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{run.name}] running (timeout {timeout:.0f}s), log {log_path}", flush=True)
         info = run_one(run, log_path, timeout, env)
         text = log_path.read_text(encoding="utf-8", errors="replace")
-        summary = summarize(parse_step_lines(text), args.seq_len, (lo, hi))
+        summary = summarize_log(text, args.seq_len, (lo, hi))
         entry.update(info, **summary, log=display([str(log_path)]), status=status_of(info, text, summary))
         if entry["status"] != "ok":
             entry["reason"] = failure_reason(text)

@@ -453,13 +453,27 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {path}: model.json is unreadable ({_one_line(e)}); pick another "
                                   f"checkpoint with --checkpoint.load_step") from None
         if saved != self.identity:
-            diff = {k: (saved.get(k), self.identity.get(k)) for k in set(saved) | set(self.identity)
-                    if saved.get(k) != self.identity.get(k)}
-            raise CheckpointError(
-                f"checkpoint {path} is of another model: " +
-                ", ".join(f"{k} saved {a!r} vs configured {b!r}" for k, (a, b) in sorted(diff.items())) +
-                "; point [checkpoint] folder elsewhere or fix the [model] section")
+            raise CheckpointError(f"checkpoint {path} is of another model: {identity_mismatch(saved, self.identity)}; "
+                                  f"point [checkpoint] folder elsewhere or fix the [model] section")
 
 
-def model_identity(args: Any, flavor: str) -> dict[str, Any]:
-    return {"flavor": flavor, **dataclasses.asdict(args)}
+# The model.json key of a proxy run's checkpoints ([experimental] simulate_expert_parallel_degree).
+PROXY_KEY = "simulate_expert_parallel_degree"
+
+
+def model_identity(args: Any, flavor: str, simulated_ep_degree: int = 1) -> dict[str, Any]:
+    """What ``model.json`` records of the model. A proxy of one EP rank (parallelisms/ep_proxy.py)
+    holds E/P experts per layer, another model: its degree is recorded (and only then, so the
+    checkpoints of real runs keep their identity)."""
+    return {"flavor": flavor, **dataclasses.asdict(args), **({PROXY_KEY: simulated_ep_degree}
+                                                             if simulated_ep_degree > 1 else {})}
+
+
+def identity_mismatch(saved: dict[str, Any], configured: dict[str, Any]) -> str:
+    """The fields in which a checkpoint's ``model.json`` and the configured model differ, for a message."""
+    text = ", ".join(f"{k} saved {saved.get(k)!r} vs configured {configured.get(k)!r}"
+                     for k in sorted(set(saved) | set(configured)) if saved.get(k) != configured.get(k))
+    if saved.get(PROXY_KEY) != configured.get(PROXY_KEY):
+        text += (f" (a run with [experimental] {PROXY_KEY} = P holds only E/P experts per layer: its checkpoints "
+                 f"load only into a run with the same P, and a real model's only into a run without it)")
+    return text

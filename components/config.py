@@ -240,6 +240,13 @@ class Experimental:
                                          "compiled with inductor, the trainer adds its own comm reordering pass (all "
                                          "dispatches issued first, each combine under the next chunk's experts: "
                                          "parallelisms/compile.py). Unmeasured on multi-GPU yet", ge=1)
+    simulate_expert_parallel_degree: int = _field(1, "P > 1: one process runs the compute of one rank of an "
+                                                  "expert-parallel job of degree P: the router scores all E experts, "
+                                                  "each layer holds E/P experts, and a slot routed to expert e runs "
+                                                  "on local expert e mod (E/P). Times exclude the all-to-all and "
+                                                  "FSDP collectives; checkpoints load only into a proxy of the same "
+                                                  "P (parallelisms/ep_proxy.py, docs/expert_parallel.md). 1 = off",
+                                                  ge=1)
 
 
 # Keys that moved to another section: (old section, key) -> new section, for a clear error.

@@ -77,6 +77,9 @@ class MetricsLogger:
     tokens_per_step: int  # per device
     log_dir: str | None = None
     step_times: dict[int, float] = field(default_factory=dict)
+    # What the run stands in for when it is a proxy (e.g. "one rank of expert parallelism 8"): the
+    # summary says so, since its times leave out that layout's communication.
+    proxy: str = ""
 
     def __post_init__(self) -> None:
         self.peak_tflops = device_peak_tflops(self.device, self.cfg.peak_tflops)
@@ -146,7 +149,8 @@ class MetricsLogger:
         step, loss = self.final_loss
         return (f"summary: steps {lo}-{hi} (of {ran[0]}-{ran[-1]}{'; ' + note if note else ''}): mean tokens/s "
                 f"per device {mean_tps:,.0f}  mean step time {mean_dt:.3f}s  tflops {tflops:.2f}  mfu {mfu}  "
-                f"peak memory {peak_memory_gib(self.device):.2f}GiB  final loss {loss:.4f} (step {step})\n"
+                f"peak memory {peak_memory_gib(self.device):.2f}GiB  final loss {loss:.4f} (step {step})"
+                f"{'  proxy: ' + self.proxy if self.proxy else ''}\n"
                 f"outputs: {'; '.join(outputs) or 'none'}")
 
     def close(self) -> None:

@@ -35,6 +35,11 @@ def static_capacity(num_tokens: int, top_k: int, ep: int, num_local_experts: int
     return max(1, min(math.ceil(capacity_factor * num_tokens * top_k / ep), most_possible))
 
 
+def local_expert_ids(expert_ids: torch.Tensor, num_local_experts: int) -> torch.Tensor:
+    """The id global expert e has on the rank that owns it: e - r x (E/ep) for owner r = e // (E/ep)."""
+    return expert_ids % num_local_experts
+
+
 class _Layout(NamedTuple):
     """One chunk's static-capacity send layout (:meth:`ExpertParallel._dispatch`), kept for its combine."""
 
@@ -139,7 +144,7 @@ class ExpertParallel:
         row_token = torch.full((trash + 1,), -1, dtype=torch.int64, device=device)
         row_token = row_token.scatter(0, send_row_N, sorted_slots_N // K)[:trash]
         row_expert = torch.full((trash + 1,), -1, dtype=torch.int64, device=device)
-        row_expert = row_expert.scatter(0, send_row_N, sorted_ids_N % n_local)[:trash]
+        row_expert = row_expert.scatter(0, send_row_N, local_expert_ids(sorted_ids_N, n_local))[:trash]
         send_x = x_TD[row_token.clamp(min=0)]
 
         recv_x = funcol.all_to_all_single_autograd(send_x, None, None, self.ep_mesh)

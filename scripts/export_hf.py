@@ -37,7 +37,7 @@ if str(ROOT) not in sys.path:
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict  # noqa: E402
 
-from components.checkpoint import model_identity, quiet_single_process_dcp  # noqa: E402
+from components.checkpoint import PROXY_KEY, identity_mismatch, model_identity, quiet_single_process_dcp  # noqa: E402
 from components.config import ConfigError, parse_args  # noqa: E402
 from components.hf_checkpoint import INDEX_FILE, HFCheckpointError, save_hf_weights  # noqa: E402
 from models.qwen3.args import get_model_args  # noqa: E402
@@ -78,10 +78,13 @@ def export(checkpoint: str | Path, out: str | Path, config_args: list[str], dtyp
     identity = model_identity(args, m.flavor)
     if (checkpoint / "model.json").is_file():
         saved = json.loads((checkpoint / "model.json").read_text())
+        if PROXY_KEY in saved:
+            raise ExportError(f"{checkpoint} was saved by a one-rank proxy of expert parallelism ([experimental] "
+                              f"{PROXY_KEY} = {saved[PROXY_KEY]}): it holds E/P experts per layer, not a whole "
+                              f"model, and cannot be exported")
         if saved != identity:
-            diff = ", ".join(f"{k} saved {saved.get(k)!r} vs configured {identity.get(k)!r}"
-                             for k in sorted(set(saved) | set(identity)) if saved.get(k) != identity.get(k))
-            raise ExportError(f"{checkpoint} is of another model: {diff}; pass the config it was trained with")
+            raise ExportError(f"{checkpoint} is of another model: {identity_mismatch(saved, identity)}; pass the "
+                              f"config it was trained with")
     _check_out(out, overwrite)
     world = init_distributed("cpu")
     distributed = torch.distributed.is_initialized()

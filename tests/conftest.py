@@ -40,6 +40,7 @@ MODULE_TIERS = {
     "test_config": "unit",
     "test_data": "unit",
     "test_distributed": "integration",
+    "test_ep_proxy": "integration",
     "test_float8_linear": "kernels",
     "test_fp8": "kernels",
     "test_fp8_parity": "kernels",

@@ -22,7 +22,9 @@ class GroupedExperts(nn.Module):
     """E SwiGLU experts in TorchTitan's layout: w1, w3 (E, F, D) and w2 (E, D, F).
 
     With expert parallelism (``parallelisms/expert_parallel.py``) the weights are DTensors sharded
-    on the expert dim and ``expert_parallel`` carries tokens to the ranks owning their experts.
+    on the expert dim and ``expert_parallel`` carries tokens to the ranks owning their experts. Its
+    one-process proxy (``parallelisms/ep_proxy.py``) leaves E/P experts' weights and folds the slots
+    of all ``num_experts`` onto them.
 
     ``compute_weights``, when the trainer sets it (``components/compute_weights.py``), replaces the
     per-call bf16 cast / FP8 quantization of the weights with copies made once per optimizer step:
