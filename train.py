@@ -44,6 +44,7 @@ from models.qwen3.model import Qwen3MoE, count_params
 from parallelisms import parallelize_model
 from parallelisms.parallel_dims import build_parallel_dims
 from parallelisms.expert_parallel import finish_expert_grads
+from parallelisms.simulate import simulation_line
 from parallelisms.utils import clip_grad_norm_, clip_scale, init_distributed, report_error
 
 
@@ -133,7 +134,7 @@ class Trainer:
         check_implemented(cfg)
         self.model_args = get_model_args(m.flavor, n_layers=m.n_layers, rope_theta=m.rope_theta)
         self.device = resolve_device(t.device)
-        world_size = init_distributed(self.device.type)
+        world_size = init_distributed(self.device.type, cfg.parallelism.simulate_world_size)
         self.distributed = torch.distributed.is_initialized()
         self.parallel_dims = build_parallel_dims(cfg.parallelism, world_size, self.model_args.num_experts,
                                                  self.device.type)
@@ -154,6 +155,8 @@ class Trainer:
         check_output_folders(cfg, count_params(self.model_args)[0])
         # The header comes before the long parts (tokenizing, building the model), which say how long they took.
         self.log(self.describe())
+        if cfg.parallelism.simulate_world_size > 1:
+            self.log(simulation_line(world_size))
 
         self.tokenizer = build_tokenizer(m.tokenizer_path)
         if self.tokenizer.vocab_size > self.model_args.vocab_size:
@@ -192,6 +195,7 @@ class Trainer:
         self.metrics = MetricsLogger(
             cfg.metrics, self.device, flops_per_token(self.model_args, t.seq_len),
             tokens_per_step=t.local_batch_size * t.seq_len * self.grad_accum_steps,
+            simulated_world=cfg.parallelism.simulate_world_size,
             log_dir=os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder))
         # FSDP casts parameters itself (MixedPrecisionPolicy); a single process uses autocast.
         self.amp = (torch.autocast(self.device.type, dtype=torch.bfloat16)
