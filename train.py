@@ -45,6 +45,7 @@ from parallelisms import parallelize_model
 from parallelisms.ep_proxy import check_ep_proxy, describe_ep_proxy, ep_proxy_label
 from parallelisms.parallel_dims import build_parallel_dims
 from parallelisms.expert_parallel import finish_expert_grads
+from parallelisms.simulate import simulation_line
 from parallelisms.utils import clip_grad_norm_, clip_scale, init_distributed, report_error
 
 
@@ -161,7 +162,7 @@ class Trainer:
         check_implemented(cfg)
         self.model_args = get_model_args(m.flavor, n_layers=m.n_layers, rope_theta=m.rope_theta)
         self.device = resolve_device(t.device)
-        world_size = init_distributed(self.device.type)
+        world_size = init_distributed(self.device.type, cfg.parallelism.simulate_world_size)
         self.distributed = torch.distributed.is_initialized()
         proxy = cfg.experimental.simulate_expert_parallel_degree
         check_ep_proxy(cfg, world_size, self.distributed, self.model_args.num_experts, m.flavor)
@@ -186,6 +187,8 @@ class Trainer:
         self.log(self.describe())
         if proxy > 1:
             self.log(describe_ep_proxy(proxy, self.model_args.num_experts))
+        if cfg.parallelism.simulate_world_size > 1:
+            self.log(simulation_line(world_size))
 
         self.tokenizer = build_tokenizer(m.tokenizer_path)
         if self.tokenizer.vocab_size > self.model_args.vocab_size:
@@ -225,6 +228,7 @@ class Trainer:
         self.metrics = MetricsLogger(
             cfg.metrics, self.device, flops_per_token(self.model_args, t.seq_len),
             tokens_per_step=t.local_batch_size * t.seq_len * self.grad_accum_steps,
+            simulated_world=cfg.parallelism.simulate_world_size,
             log_dir=os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder),
             proxy=ep_proxy_label(proxy) if proxy > 1 else "")
         # FSDP casts parameters itself (MixedPrecisionPolicy); a single process uses autocast.

@@ -154,6 +154,11 @@ class Parallelism:
     expert_capacity_factor: float = _field(2.0, "EP receive buffers hold this many times the mean rows per "
                                            "rank; overflow stops the step with a message (a factor >= the EP "
                                            "degree never overflows)", gt=0)
+    simulate_world_size: int = _field(0, "0 = off; N >= 2: one process (no torchrun) acts as rank 0 of an N-rank "
+                                      "job: the real meshes, FSDP2 sharding, EP layout and compile of one rank, "
+                                      "with collectives looped back (no communication), for per-rank memory and "
+                                      "compute; data_parallel_shard_degree = -1 resolves against N. Checkpointing "
+                                      "must be off (docs/expert_parallel.md)", ge=0)
 
 
 @dataclass
@@ -438,6 +443,18 @@ def _check_consistency(cfg: JobConfig, sources: dict[tuple[str, str], str]) -> N
                           f"[activation_checkpoint] keep = {ac.keep!r} keeps ops of checkpointed blocks, but "
                           f"mode = \"none\" checkpoints nothing; set mode = \"full\" (or \"selective\"), or "
                           f"keep = \"none\"")
+    n = cfg.parallelism.simulate_world_size
+    if n:
+        where = _where(sources, ("parallelism", "simulate_world_size"))
+        if n == 1:
+            raise ConfigError(f"{where}: {_show(where, 'parallelism', 'simulate_world_size', 1)} simulates no other "
+                              f"rank: use 0 (off, one process) or a world of at least 2 ranks")
+        if cfg.checkpoint.enable:
+            # A DCP save would hold only rank 0's shards of an N-rank checkpoint.
+            raise ConfigError(f"{_where(sources, ('parallelism', 'simulate_world_size'), ('checkpoint', 'enable'))}: "
+                              f"a simulated world ([parallelism] simulate_world_size = {n}) cannot save or resume a "
+                              f"checkpoint, whose other ranks' shards do not exist; set [checkpoint] enable = false "
+                              f"(--checkpoint.enable false; [checkpoint] initial_load_path still loads weights)")
     from kernels.moe import available_moe_backends
 
     if cfg.moe.backend not in available_moe_backends():

@@ -76,6 +76,7 @@ class MetricsLogger:
     flops_per_token: int
     tokens_per_step: int  # per device
     log_dir: str | None = None
+    simulated_world: int = 0  # > 1: rank 0 of a simulated world of this many ranks (parallelisms/simulate.py)
     step_times: dict[int, float] = field(default_factory=dict)
     # What the run stands in for when it is a proxy (e.g. "one rank of expert parallelism 8"): the
     # summary says so, since its times leave out that layout's communication.
@@ -118,7 +119,7 @@ class MetricsLogger:
         mem = peak_memory_gib(self.device)
         line = (f"step: {step:5d}  loss: {loss:8.4f}  aux_loss: {aux_loss:.4f}  grad_norm: {grad_norm:7.4f}  "
                 f"lr: {lr:.2e}  memory: {mem:6.2f}GiB  tps: {tps:,.0f}  step_time: {dt:.3f}s  "
-                f"tflops: {tflops:.2f}  mfu: {mfu}")
+                f"tflops: {tflops:.2f}  mfu: {mfu}{self._simulated()}")
         if self.writer is not None:
             for key, value in (("loss", loss), ("aux_loss", aux_loss), ("grad_norm", grad_norm), ("lr", lr),
                                ("tokens_per_second", tps), ("tflops", tflops), ("memory_gib", mem)):
@@ -150,8 +151,14 @@ class MetricsLogger:
         return (f"summary: steps {lo}-{hi} (of {ran[0]}-{ran[-1]}{'; ' + note if note else ''}): mean tokens/s "
                 f"per device {mean_tps:,.0f}  mean step time {mean_dt:.3f}s  tflops {tflops:.2f}  mfu {mfu}  "
                 f"peak memory {peak_memory_gib(self.device):.2f}GiB  final loss {loss:.4f} (step {step})"
-                f"{'  proxy: ' + self.proxy if self.proxy else ''}\n"
+                f"{'  proxy: ' + self.proxy if self.proxy else ''}{self._simulated()}\n"
                 f"outputs: {'; '.join(outputs) or 'none'}")
+
+    def _simulated(self) -> str:
+        """The mark of a simulated run's numbers: one rank's compute and memory, no communication."""
+        if self.simulated_world < 2:
+            return ""
+        return f"  [simulated rank 0 of {self.simulated_world}: no communication]"
 
     def close(self) -> None:
         if self.writer is not None:

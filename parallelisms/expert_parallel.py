@@ -201,11 +201,13 @@ def finish_expert_grads(model: torch.nn.Module, mesh: DeviceMesh, dp_size: int) 
     By now each shard's gradient holds the contributions of the tokens of its whole EP group (the
     all-to-all backward) and of the ranks that share the shard (the all-gather's reduce-scatter).
     """
-    grads = [p.grad.to_local() for p in expert_params(model) if p.grad is not None]
+    experts = expert_params(model)
+    # Model order, the same on every rank (a set's order follows object ids, which differ between processes).
+    grads = [p.grad.to_local() for p in model.parameters() if p in experts and p.grad is not None]
     if not grads:
         return
     if mesh["dp_replicate"].size() > 1:
         flat = torch.cat([g.reshape(-1) for g in grads])
         torch.distributed.all_reduce(flat, group=mesh["dp_replicate"].get_group())
-        torch._foreach_copy_(grads, list(flat.split([g.numel() for g in grads])))
+        torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
     torch._foreach_div_(grads, float(dp_size))

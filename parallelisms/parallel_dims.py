@@ -69,15 +69,16 @@ def build_parallel_dims(cfg: Parallelism, world_size: int, num_experts: int, dev
         if getattr(cfg, key) > 1:
             raise ConfigError(f"[parallelism] {key} = {getattr(cfg, key)}: not implemented; set it to 1")
     replicate, dp_shard, ep = cfg.data_parallel_replicate_degree, cfg.data_parallel_shard_degree, cfg.expert_parallel_degree
+    simulated = " ([parallelism] simulate_world_size)" if cfg.simulate_world_size > 1 else ""
     if dp_shard == -1:
         if world_size % replicate:
             raise ConfigError(f"[parallelism] data_parallel_replicate_degree = {replicate} does not divide the "
-                              f"world size {world_size}")
+                              f"world size {world_size}{simulated}")
         dp_shard = world_size // replicate
     if replicate * dp_shard != world_size:
         raise ConfigError(
             f"[parallelism] data_parallel_replicate_degree ({replicate}) x data_parallel_shard_degree ({dp_shard}) "
-            f"= {replicate * dp_shard} must equal the world size ({world_size})")
+            f"= {replicate * dp_shard} must equal the world size ({world_size}){simulated}")
     if num_experts % ep:
         raise ConfigError(f"[parallelism] expert_parallel_degree = {ep} does not divide the {num_experts} experts")
     if ep > dp_shard:

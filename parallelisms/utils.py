@@ -12,8 +12,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def init_distributed(device_type: str) -> int:
-    """Join the process group when launched by torchrun (WORLD_SIZE set); returns the world size."""
+def init_distributed(device_type: str, simulate_world_size: int = 0) -> int:
+    """Join the process group when launched by torchrun (WORLD_SIZE set), or, with
+    ``simulate_world_size`` N >= 2, a loopback group in which this process is rank 0 of N
+    (parallelisms/simulate.py); returns the world size."""
+    if simulate_world_size > 1:
+        from parallelisms.simulate import init_simulated_world
+
+        return init_simulated_world(simulate_world_size)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if "WORLD_SIZE" not in os.environ or dist.is_initialized():
         return dist.get_world_size() if dist.is_initialized() else world_size

@@ -55,6 +55,7 @@ MODULE_TIERS = {
     "test_profiling": "integration",
     "test_shadow_weights": "kernels",
     "test_signals": "integration",
+    "test_simulate_world": "integration",
     "test_step_breakdown": "unit",
     "test_train": "integration",
     "test_weight_cache": "kernels",

@@ -92,6 +92,9 @@ LAYOUTS = {
     "ep2": (2, ["--parallelism.expert_parallel_degree", "2"]),
     "dp_shard2_x_ep2": (4, ["--parallelism.expert_parallel_degree", "2"]),
     "dp_replicate2_x_dp_shard2": (4, ["--parallelism.data_parallel_replicate_degree", "2"]),
+    # HSDP with EP: finish_expert_grads sums the expert gradients over the replicas.
+    "dp_replicate2_x_ep2": (4, ["--parallelism.data_parallel_replicate_degree", "2",
+                                "--parallelism.expert_parallel_degree", "2"]),
     "ep2_full_ac": (2, ["--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode", "full"]),
     "dp_shard2_chunked_loss": (2, ["--training.loss_chunk_size", "24"]),
     "dp_shard2_full_ac_compile": (2, ["--activation_checkpoint.mode", "full", "--compile.enable",

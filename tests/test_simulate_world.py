@@ -1,0 +1,257 @@
+"""A simulated world (``[parallelism] simulate_world_size``, parallelisms/simulate.py): one process
+acts as rank 0 of N with collectives looped back. Each collective's rule, the expert-parallel
+exchange it implies, the trainer at N = 2, 4 and 8 (FSDP, FSDP + EP, HSDP + EP, compiled), the
+per-rank parameter memory, and the refusals."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor import DTensor
+
+from components.config import ConfigError
+from parallelisms.simulate import init_simulated_world
+from tests.utils import logged_steps, make_trainer, trainer_args
+from train import main
+
+SIM = "--parallelism.simulate_world_size"
+EP = "--parallelism.expert_parallel_degree"
+# Three steps of the 1-layer debug model, 2 x 32 tokens per rank and step, every step logged.
+TINY = ["--model.n_layers", "1", "--training.seq_len", "32", "--training.local_batch_size", "2",
+        "--training.steps", "3", "--training.device", "cpu"]
+
+
+@pytest.fixture
+def world():
+    """Starts a loopback world of N ranks (``world(N)``); destroys whatever group is left after the test."""
+    yield init_simulated_world
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------------
+# The collectives
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.unit
+def test_all_gather_repeats_the_local_shard(world):
+    world(4)
+    x = torch.arange(6.0).view(3, 2)
+    out = torch.full((12, 2), float("nan"))
+    dist.all_gather_into_tensor(out, x)
+    assert torch.equal(out, x.repeat(4, 1))
+    outs = [torch.empty_like(x) for _ in range(4)]
+    dist.all_gather(outs, x)
+    assert all(torch.equal(o, x) for o in outs)
+    assert torch.equal(funcol.all_gather_tensor(x, 0, dist.group.WORLD), x.repeat(4, 1))
+    # The expert shards' gather (along dim 1) and its backward, a reduce-scatter of the gradient.
+    w = x.clone().requires_grad_()
+    full = funcol.all_gather_tensor_autograd(w, 1, dist.group.WORLD)
+    assert torch.equal(full, x.repeat(1, 4))
+    grad = torch.arange(24.0).view(3, 8)
+    full.backward(grad)
+    assert torch.equal(w.grad, 4 * grad[:, :2])  # SUM: every rank sent this rank's gradient
+
+
+@pytest.mark.unit
+def test_reduce_scatter_is_this_ranks_chunk_reduced_over_identical_ranks(world):
+    world(4)
+    x = torch.arange(8.0)
+    for op, factor in ((dist.ReduceOp.SUM, 4), (dist.ReduceOp.AVG, 1), (dist.ReduceOp.MAX, 1)):
+        out = torch.empty(2)
+        dist.reduce_scatter_tensor(out, x.clone(), op=op)
+        assert torch.equal(out, factor * x[:2]), op
+    assert torch.equal(funcol.reduce_scatter_tensor(x, "sum", 0, dist.group.WORLD), 4 * x[:2])
+    assert torch.equal(funcol.reduce_scatter_tensor(x, "avg", 0, dist.group.WORLD), x[:2])
+    out = torch.empty(2)
+    dist.reduce_scatter(out, list(x.chunk(4)))
+    assert torch.equal(out, 4 * x[:2])
+
+
+@pytest.mark.unit
+def test_all_reduce_sums_n_copies_and_keeps_avg_max_min(world):
+    world(8)
+    for op, factor in ((dist.ReduceOp.SUM, 8), (dist.ReduceOp.AVG, 1), (dist.ReduceOp.MAX, 1), (dist.ReduceOp.MIN, 1)):
+        t = torch.tensor([1.5, -2.0])
+        dist.all_reduce(t, op=op)
+        assert torch.equal(t, factor * torch.tensor([1.5, -2.0])), op
+    flag = torch.tensor([15], dtype=torch.int32)  # the signals' agreement: MAX of one int
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    assert flag.item() == 15
+    assert torch.equal(funcol.all_reduce(torch.ones(3), "sum", dist.group.WORLD), torch.full((3,), 8.0))
+
+
+@pytest.mark.unit
+def test_all_to_all_loops_back_symmetric_exchanges_only(world):
+    world(4)
+    x = torch.arange(16.0).view(8, 2)
+    assert torch.equal(funcol.all_to_all_single(x, None, None, dist.group.WORLD), x)
+    assert torch.equal(funcol.all_to_all_single(x, [1, 3, 2, 2], [1, 3, 2, 2], dist.group.WORLD), x)
+    outs = [torch.empty(2, 2) for _ in range(4)]
+    dist.all_to_all(outs, list(x.chunk(4)))
+    assert all(torch.equal(o, c) for o, c in zip(outs, x.chunk(4)))
+    with pytest.raises(NotImplementedError, match="not a symmetric exchange"):
+        dist.all_to_all_single(torch.empty(8, 2), x, [2, 2, 2, 2], [1, 3, 2, 2])
+
+
+@pytest.mark.unit
+def test_broadcast_and_barrier_are_local_and_point_to_point_is_refused(world):
+    world(2)
+    t = torch.tensor([3.0])
+    dist.broadcast(t, src=0)
+    assert t.item() == 3.0
+    dist.barrier()
+    box = [{"rank": 0}]
+    dist.broadcast_object_list(box, src=0)
+    assert box == [{"rank": 0}]
+    gathered = [None, None]
+    dist.all_gather_object(gathered, "mine")
+    assert gathered == ["mine", "mine"]
+    with pytest.raises(Exception, match="peer does not exist"):
+        dist.send(t, dst=1)
+
+
+@pytest.mark.unit
+def test_ep_exchange_computes_each_slot_once_with_valid_local_ids(world):
+    """Under loopback, the rows sent to rank r come back to this rank's experts with local ids in
+    [0, E/ep): each (token, k) slot is computed exactly once, by the local expert of the same local
+    index as its own (global id mod E/ep), and its output returns to its own row."""
+    from kernels.moe import get_moe_backend
+    from parallelisms.expert_parallel import ExpertParallel
+    from parallelisms.parallel_dims import ParallelDims
+
+    world(4)
+    E, ep, T, K, D, F = 8, 4, 16, 2, 8, 6
+    mesh = ParallelDims(dp_replicate=1, dp_shard=4, ep=ep, world_size=4).mesh
+    layer = ExpertParallel(mesh, E, capacity_factor=ep, param_dtype=torch.float32)  # no slot is dropped
+    gen = torch.Generator().manual_seed(0)
+    x_TD = torch.randn(T, D, generator=gen)
+    ids_TK = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    weights_TK = torch.rand(T, K, generator=gen)
+    n_local = E // ep
+    w1, w3 = torch.randn(n_local, F, D, generator=gen), torch.randn(n_local, F, D, generator=gen)
+    w2 = torch.randn(n_local, D, F, generator=gen)
+
+    recv_x, recv_expert, layout = layer._dispatch(x_TD, ids_TK)
+    assert recv_x.shape[0] == ep * layer.capacity(T, K)  # one rank's receive buffer
+    real = recv_expert >= 0
+    assert int(real.sum()) == T * K and int(recv_expert.max()) < n_local
+    rows = layout.send_row_N  # where each slot (in expert order) sits
+    tokens = layout.sorted_slots_N // K
+    assert torch.equal(recv_x[rows], x_TD[tokens])
+    assert torch.equal(recv_expert[rows], layout.sorted_ids_N % n_local)
+
+    backend = get_moe_backend("torch")
+    y_TD, dropped_E = layer(backend, x_TD, ids_TK, weights_TK, w1, w3, w2)
+    assert dropped_E.sum() == 0
+    want = backend(x_TD, ids_TK % n_local, weights_TK, w1, w3, w2)
+    torch.testing.assert_close(y_TD, want, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------
+# The trainer
+# --------------------------------------------------------------------------------------------------
+
+def run_simulated(tmp_path, capsys, *extra: str) -> str:
+    """``train.main`` in this process with ``extra`` over TINY; its output (it must succeed)."""
+    rc = main(trainer_args(tmp_path, *TINY, *extra))
+    captured = capsys.readouterr()
+    out = captured.out + captured.err
+    assert rc == 0, out
+    assert not dist.is_initialized()  # main destroys its group: the next run starts afresh
+    return out
+
+
+@pytest.mark.parametrize("n, extra", [
+    (2, []), (4, []), (8, []),  # FSDP over all N ranks
+    (2, [EP, "2"]), (4, [EP, "4"]), (8, [EP, "2"]),  # FSDP + EP (8, ep 2: experts also sharded over 4)
+    (8, [EP, "8", "--parallelism.expert_capacity_factor", "8"]),  # one expert per rank
+    (4, ["--parallelism.data_parallel_replicate_degree", "2", EP, "2", "--training.global_batch_size", "16",
+         "--training.mixed_precision_param", "bfloat16", "--moe.load_balance", "expert_bias"]),  # HSDP + EP
+], ids=["fsdp2", "fsdp4", "fsdp8", "ep2of2", "ep4of4", "ep2of8", "ep8of8", "hsdp_ep"])
+def test_debug_model_trains_in_a_simulated_world(tmp_path, capsys, n, extra):
+    out = run_simulated(tmp_path, capsys, SIM, str(n), *extra)
+    assert f"simulating rank 0 of {n} ranks in one process: collectives are looped back (no communication" in out
+    assert f", world {n} = dp_replicate " in out
+    steps = logged_steps(out)
+    assert sorted(steps) == [1, 2, 3], out
+    for s in steps.values():
+        assert math.isfinite(s["loss"]) and math.isfinite(s["grad_norm"]) and s["grad_norm"] > 0, out
+    assert 6.0 < steps[1]["loss"] < 9.0, steps[1]  # about ln(2048) = 7.6 at initialization
+    marks = [line for line in out.splitlines() if line.startswith(("step:", "summary:"))]
+    assert all(line.endswith(f"[simulated rank 0 of {n}: no communication]") for line in marks), marks
+
+
+def test_compiled_blocks_train_in_a_simulated_world(tmp_path, capsys):
+    """The compiled path at one size: functional collectives inside inductor's graphs go through the
+    loopback group too."""
+    out = run_simulated(tmp_path, capsys, SIM, "4", EP, "2", "--compile.enable", "--compile.loss", "false",
+                        "--training.steps", "2")
+    steps = logged_steps(out)
+    assert sorted(steps) == [1, 2] and all(math.isfinite(s["loss"]) for s in steps.values()), out
+
+
+def test_parameters_take_one_ranks_share_of_memory(tmp_path, world):
+    """At N = 8 with EP 2: every FSDP-sharded parameter keeps rank 0's ceil(n / 8) slice of its
+    sharded dim, the experts this rank's E / ep experts split over the 4 ranks that share them, so
+    the parameters held are 1/8 of the model's (up to uneven shards), and the routers stay whole
+    in compute (each expert keeps a gate row of its own)."""
+    trainer = make_trainer(tmp_path, *TINY, SIM, "8", EP, "2")
+    local = total = 0
+    for name, p in trainer.model.named_parameters():
+        assert isinstance(p, DTensor), name
+        shard_dims = [pl.dim for pl in p.placements if pl.is_shard()]
+        if name.endswith(("w1", "w2", "w3")):
+            assert p.to_local().shape[0] == p.shape[0] // 2 and p.to_local().shape[1] == p.shape[1] // 4, name
+        else:
+            (dim,) = shard_dims
+            assert dim == (1 if name.endswith("router.gate.weight") else 0), name
+            assert p.to_local().shape[dim] == math.ceil(p.shape[dim] / 8), name
+        local += p.to_local().numel()
+        total += p.numel()
+    assert total / 8 <= local < 1.01 * total / 8, (local, total)
+
+
+def test_initial_weights_load_as_rank_0s_shards(tmp_path, world):
+    """``[checkpoint] initial_load_path`` works in a simulated world: this rank reads its shards of
+    the whole weights (a DCP checkpoint of a one-process run here)."""
+    source = make_trainer(tmp_path / "src", *TINY, "--training.seed", "3", "--checkpoint.enable")
+    source.checkpoint.save(1)
+    want = {k: v.clone() for k, v in source.model.state_dict().items()}
+    trainer = make_trainer(tmp_path / "run", *TINY, SIM, "4", EP, "2", "--checkpoint.initial_load_path",
+                           str(tmp_path / "src" / "checkpoint" / "step-1"), "--checkpoint.initial_load_format", "dcp")
+    assert trainer.checkpoint.maybe_load() == 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for key, value in trainer.model.state_dict().items():
+        shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+        assert torch.equal(value.to_local(), want[key][tuple(slice(o, o + s) for o, s in zip(offset, shape))]), key
+
+
+# --------------------------------------------------------------------------------------------------
+# Refusals
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("extra, message", [
+    ([SIM, "1"], r"simulate_world_size 1 simulates no other rank: use 0 \(off, one process\) or a world of at least 2"),
+    ([SIM, "4", "--checkpoint.enable"], r"cannot save or resume a checkpoint.*set \[checkpoint\] enable = false"),
+    ([SIM, "4", "--parallelism.data_parallel_shard_degree", "3"],
+     r"= 3 must equal the world size \(4\) \(\[parallelism\] simulate_world_size\)"),
+    ([SIM, "4", EP, "3"], r"expert_parallel_degree = 3 does not divide the 8 experts"),
+    ([SIM, "2", EP, "4"], r"expert_parallel_degree = 4 is larger than the data-parallel shard degree 2"),
+], ids=["one_rank", "checkpointing", "degrees", "ep_experts", "ep_world"])
+def test_what_cannot_be_simulated_is_refused(tmp_path, world, extra, message):
+    with pytest.raises(ConfigError, match=message):
+        make_trainer(tmp_path, *TINY, *extra)
+
+
+def test_refused_under_torchrun_or_an_existing_group(tmp_path, world, monkeypatch):
+    with monkeypatch.context() as env:
+        env.setenv("WORLD_SIZE", "4")
+        with pytest.raises(ConfigError, match=r"launched as one of 4 ranks \(WORLD_SIZE=4.*run it with plain python"):
+            make_trainer(tmp_path, *TINY, SIM, "4")
+    world(2)
+    with pytest.raises(ConfigError, match=r"already has a process group \(loopback, 2 ranks\)"):
+        make_trainer(tmp_path, *TINY, SIM, "4")
