@@ -206,7 +206,8 @@ class ComputeLinear(nn.Linear):
         return self.compute_weights.weights(self)[0]
 
 
-def expert_mode(backend: str, compute_dtype: torch.dtype | None, experts_whole: bool) -> str | None:
+def expert_mode(backend: str, compute_dtype: torch.dtype | None, experts_whole: bool,
+                dtensor_compiled: bool = False) -> str | None:
     """The experts' copies a backend can use, or None.
 
     Args:
@@ -215,10 +216,15 @@ def expert_mode(backend: str, compute_dtype: torch.dtype | None, experts_whole: 
         experts_whole: this rank's expert weights are whole (one process, or expert parallelism
             without expert-FSDP sharding); FP8 copies are only made then (a shard's blocks would
             need an FP8 all-gather, not built).
+        dtensor_compiled: the expert weights are DTensors (a distributed run) read by compiled
+            blocks. bf16 copies are then not made: their cast-from-copy autograd function gets the
+            local shard's gradient checked against the DTensor's global shape when AOTAutograd
+            traces it (torch 2.11 and 2.13), so the weights are cast per call instead. The FP8
+            copies need no such function.
     """
     if backend == "mega_fp8" and experts_whole and compute_dtype == torch.bfloat16:
         return "fp8_blockwise"
-    if compute_dtype is not None:
+    if compute_dtype is not None and not dtensor_compiled:
         return "bf16"
     return None
 
