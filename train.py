@@ -256,8 +256,7 @@ class Trainer:
                 ep = next(m.expert_parallel for m in self.model.modules() if getattr(m, "expert_parallel", None))
                 dtype = ep.param_dtype if ep.param_dtype != torch.float32 else None
                 whole = ep.experts_whole
-            self.weight_cache_mode = expert_mode(resolve_moe_backend(cfg.moe.backend, cfg.quantize.moe), dtype, whole,
-                                                 dtensor_compiled=self.distributed and cfg.compile.enable)
+            self.weight_cache_mode = expert_mode(resolve_moe_backend(cfg.moe.backend, cfg.quantize.moe), dtype, whole)
         self.shadow_weights = (cfg.optimizer.shadow_weights and cfg.optimizer.implementation == "triton"
                                and not self.distributed and t.mixed_precision_param == "bfloat16"
                                and self.grad_accum_steps == 1)

@@ -71,8 +71,12 @@ class _CastFromCache(torch.autograd.Function):
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a (possibly DTensor) parameter, differentiably."""
-    return w.to_local() if hasattr(w, "to_local") else w
+    """This rank's part of a (possibly DTensor) parameter, differentiably. (An isinstance test:
+    under dynamo ``hasattr(w, "to_local")`` was False for a DTensor parameter, so compiled blocks
+    took the global tensor.)"""
+    from torch.distributed.tensor import DTensor
+
+    return w.to_local() if isinstance(w, DTensor) else w
 
 
 class ComputeWeights(nn.Module):
@@ -206,8 +210,7 @@ class ComputeLinear(nn.Linear):
         return self.compute_weights.weights(self)[0]
 
 
-def expert_mode(backend: str, compute_dtype: torch.dtype | None, experts_whole: bool,
-                dtensor_compiled: bool = False) -> str | None:
+def expert_mode(backend: str, compute_dtype: torch.dtype | None, experts_whole: bool) -> str | None:
     """The experts' copies a backend can use, or None.
 
     Args:
@@ -216,15 +219,10 @@ def expert_mode(backend: str, compute_dtype: torch.dtype | None, experts_whole: 
         experts_whole: this rank's expert weights are whole (one process, or expert parallelism
             without expert-FSDP sharding); FP8 copies are only made then (a shard's blocks would
             need an FP8 all-gather, not built).
-        dtensor_compiled: the expert weights are DTensors (a distributed run) read by compiled
-            blocks. bf16 copies are then not made: their cast-from-copy autograd function gets the
-            local shard's gradient checked against the DTensor's global shape when AOTAutograd
-            traces it (torch 2.11 and 2.13), so the weights are cast per call instead. The FP8
-            copies need no such function.
     """
     if backend == "mega_fp8" and experts_whole and compute_dtype == torch.bfloat16:
         return "fp8_blockwise"
-    if compute_dtype is not None and not dtensor_compiled:
+    if compute_dtype is not None:
         return "bf16"
     return None
 

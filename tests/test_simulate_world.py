@@ -186,9 +186,9 @@ def test_debug_model_trains_in_a_simulated_world(tmp_path, capsys, n, extra):
 
 def test_compiled_blocks_train_in_a_simulated_world(tmp_path, capsys):
     """The compiled path at one size: functional collectives inside inductor's graphs go through the
-    loopback group too. In bf16, as the reference configs train: compiled blocks reading the experts'
-    DTensor weights through a cached bf16 copy failed in AOTAutograd (the trainer now casts them per
-    call there; compute_weights.expert_mode)."""
+    loopback group too. In bf16, as the reference configs train: compiled blocks then read the
+    experts' DTensor weights through the bf16 weight cache, which took the global tensor for the
+    local shard under dynamo and failed at the first step."""
     out = run_simulated(tmp_path, capsys, SIM, "4", EP, "2", "--compile.enable", "--compile.loss", "false",
                         "--training.steps", "2", "--training.mixed_precision_param", "bfloat16")
     steps = logged_steps(out)
