@@ -71,7 +71,8 @@ def test_readme_command_runs_and_prints_summary(tmp_path):
     mean_dt = float(summary.split("mean step time ")[1].split("s")[0])
     # Only step 5 of steps 3-5 is logged: its time is at most the sum of the three.
     assert steps[5]["step_time"] <= 3 * mean_dt + 0.002
-    assert tokens / mean_dt <= mean_tps * (1 + 1e-3) + 1  # mean of 1/t >= 1/mean of t (Jensen)
+    # mean of 1/t >= 1/mean of t (Jensen); the printed mean step time is rounded to the ms.
+    assert tokens / (mean_dt + 0.0005) <= mean_tps * (1 + 1e-3) + 1
 
 
 def test_loss_falls_on_shipped_corpus(tmp_path):
