@@ -3,6 +3,7 @@
     python -m bench.compare --model qwen3_30b_a3b --layers 4 --seq-len 16384          # ~8 min on an H200
     python -m bench.compare --model qwen3_235b_a22b --layers 1 --seq-len 16384
     python -m bench.compare --layers 48 --gpus 8 --ep 8 --only titan_fp8,ours_mega_fp8   # 8 GPUs
+    python -m bench.compare --layers 48 --simulate-world 8 --ep 8    # one rank of that job, one GPU
     python -m bench.compare ... --profile          # + GPU time by part of each run (bench.step_breakdown)
     python -m bench.compare ... --only titan_bf16,ours_mega --steps 20 --out outputs/compare
     python -m bench.compare ... --only titan_bf16,ours_mega --variant keep_attn="--activation_checkpoint.keep attention"
@@ -34,6 +35,11 @@ remain, all outside the timed work: our loader visits samples in a seeded shuffl
 in file order; initial weights come from each trainer's own init; upstream's router keeps an
 expert-bias buffer it never updates for Qwen3 (0.2.2), so ours runs with ``--moe.load_balance none``
 by default (``--load-balance`` changes it).
+
+``--simulate-world N`` (with ``--gpus 1``) times one rank of an N-rank job on the one GPU: each
+run is one plain process acting as rank 0 of N with the collectives looped back, upstream through
+``bench/titan_simulated.py`` and ours through ``[parallelism] simulate_world_size``, both with the
+same FSDP over N and EP ``--ep``. Times exclude communication; the report marks such runs ``proxy``.
 
 Reported per run, over steps 6-20 (``--window``): mean tokens/s per GPU (mean of the per-step
 figures), mean step time (ours: as logged; upstream: tokens per step / its tps, since it logs no
@@ -196,6 +202,12 @@ class Setting:
     gpus: int = 1                 # processes (GPUs) of every run: FSDP over all of them
     ep: int = 1                   # expert-parallel degree within them
     profile: bool = False         # profile steps after the timed ones (see profile_args)
+    simulate_world: int = 0       # N >= 2: one process per run as rank 0 of N (no communication)
+
+    @property
+    def world(self) -> int:
+        """The ranks the parallel layout is laid out over: the simulated world, or the GPUs."""
+        return self.simulate_world or self.gpus
 
     @property
     def titan_flavor(self) -> str:
@@ -211,9 +223,10 @@ def torchtitan_toml(s: Setting, *, data_dir: Path, tokenizer_dir: Path = TOKENIZ
     def q(v: Any) -> str:
         return json.dumps(str(v))
 
-    return f"""# Written by bench/compare.py: upstream TorchTitan 0.2.2, the head-to-head setting ({s.gpus} GPU(s)).
+    ranks = f"rank 0 of {s.simulate_world} simulated" if s.simulate_world else f"{s.gpus} GPU(s)"
+    return f"""# Written by bench/compare.py: upstream TorchTitan 0.2.2, the head-to-head setting ({ranks}).
 [job]
-description = {q(f"Qwen3 {MODELS[s.model][0]} shape, {s.layers} layers, {s.gpus} GPU(s), EP {s.ep} (bench.compare)")}
+description = {q(f"Qwen3 {MODELS[s.model][0]} shape, {s.layers} layers, {ranks}, EP {s.ep} (bench.compare)")}
 dump_folder = {q(s.out / "torchtitan")}
 
 [model]
@@ -277,8 +290,12 @@ def plan(s: Setting, *, toml_path: Path, data_dir: Path, python: str = sys.execu
          variants: list[tuple[str, list[str]]] = ()) -> list[Run]:
     """Every run of the comparison, in the order they are made; ``variants`` (name, arguments) are
     ``ours_mega`` with those arguments added, run last (ablations in the same call and table)."""
-    titan = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(s.gpus),
-             "-m", "torchtitan.train", "--job.config_file", str(toml_path), *titan_extra]
+    # A simulated world runs each trainer as one plain process, rank 0 of N (bench/titan_simulated.py
+    # for upstream, [parallelism] simulate_world_size for ours).
+    titan_launch = ([python, "-m", "bench.titan_simulated", str(s.simulate_world)] if s.simulate_world else
+                    [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(s.gpus),
+                     "-m", "torchtitan.train"])
+    titan = [*titan_launch, "--job.config_file", str(toml_path), *titan_extra]
     no_titan = "" if _has("torchtitan") else "torchtitan is not installed (pip install \".[baseline]\")"
     no_torchao = no_titan or ("" if _has("torchao") else "torchao is not installed (FP8 needs torchao==0.16.0)")
     # One GPU: a plain process (bf16 autocast); several: torchrun, FSDP over all ranks (+ EP).
@@ -295,7 +312,7 @@ def plan(s: Setting, *, toml_path: Path, data_dir: Path, python: str = sys.execu
             "--training.mixed_precision_param", "bfloat16", "--training.device", "cuda",
             "--optimizer.lr", repr(LR), "--optimizer.eps", "1e-8", "--optimizer.weight_decay", repr(WEIGHT_DECAY),
             # Ours in Triton (with shadow weights) in one process; torch's fused AdamW over FSDP's DTensors.
-            "--optimizer.implementation", "triton" if s.gpus == 1 else "auto",
+            "--optimizer.implementation", "triton" if s.world == 1 else "auto",
             "--lr_scheduler.warmup_steps", str(WARMUP_STEPS), "--lr_scheduler.decay_type", "cosine",
             "--lr_scheduler.decay_ratio", "1.0", "--lr_scheduler.min_lr_factor", repr(MIN_LR_FACTOR),
             # Upstream's full AC, everything recomputed (the config's keep is a --variant here).
@@ -303,6 +320,8 @@ def plan(s: Setting, *, toml_path: Path, data_dir: Path, python: str = sys.execu
             "--moe.load_balance", s.load_balance, "--metrics.log_freq", "1",
             "--parallelism.expert_parallel_degree", str(s.ep),
             "--metrics.summary_start_step", str(s.window[0]), "--metrics.summary_end_step", str(s.window[1])]
+    if s.simulate_world:
+        ours += ["--parallelism.simulate_world_size", str(s.simulate_world)]
     if s.attention_backend:
         ours += ["--model.attention_backend", s.attention_backend]
     if s.profile:
@@ -522,10 +541,10 @@ def summarize(steps: dict[int, dict[str, float]], tokens_per_step: int,
 
 
 def summarize_log(text: str, tokens_per_step: int, window: tuple[int, int]) -> dict[str, Any]:
-    """:func:`summarize` of a trainer's log, with ``proxy``: the line of ours that says the run
-    simulates one rank of expert parallelism (its times exclude the collectives), else None."""
+    """:func:`summarize` of a trainer's log, with ``proxy``: the line that says the run simulates one
+    rank of expert parallelism or rank 0 of a larger world (its times exclude the collectives), else None."""
     proxy = next((line for line in _ANSI.sub("", text).splitlines()
-                  if line.startswith("simulating one rank of expert parallelism")), None)
+                  if line.startswith(("simulating one rank of expert parallelism", "simulating rank 0 of "))), None)
     return {**summarize(parse_step_lines(text), tokens_per_step, window), "proxy": proxy}
 
 
@@ -766,7 +785,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=16384)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--gpus", type=int, default=1, help="GPUs (processes) per run, FSDP over all")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree within --gpus")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree within --gpus (or --simulate-world)")
+    p.add_argument("--simulate-world", type=int, default=0, metavar="N",
+                   help="run each trainer as one process acting as rank 0 of N ranks, collectives looped back "
+                        "(one rank's compute and memory, no communication; docs/expert_parallel.md); needs --gpus 1")
     p.add_argument("--profile", action="store_true", help="profile steps after the timed ones and write each "
                    "run's GPU time by part (bench.step_breakdown) to <out>/breakdown/ and breakdown.md")
     p.add_argument("--window", default="6-20", help="steps averaged, e.g. 6-20")
@@ -798,7 +820,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"unknown model {args.model}")
     if args.repeat < 1:
         p.error(f"--repeat {args.repeat} must be >= 1")
-    if args.gpus < 1 or args.ep < 1 or args.gpus % args.ep:
+    if args.simulate_world:
+        if args.simulate_world < 2 or args.gpus != 1:
+            p.error(f"--simulate-world {args.simulate_world} needs N >= 2 and --gpus 1 (one process per run)")
+        if args.ep < 1 or args.simulate_world % args.ep:
+            p.error(f"--ep {args.ep} must be >= 1 and divide --simulate-world {args.simulate_world}")
+    elif args.gpus < 1 or args.ep < 1 or args.gpus % args.ep:
         p.error(f"--ep {args.ep} must be >= 1 and divide --gpus {args.gpus}")
     return args
 
@@ -825,9 +852,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     lo, hi = (int(x) for x in args.window.split("-"))
     out = (args.out or ROOT / "outputs" / "compare" / f"{args.model}_{args.layers}L"
-           f"{f'_{args.gpus}gpu_ep{args.ep}' if args.gpus > 1 else ''}").resolve()
+           f"{f'_{args.gpus}gpu_ep{args.ep}' if args.gpus > 1 else ''}"
+           f"{f'_sim{args.simulate_world}_ep{args.ep}' if args.simulate_world else ''}").resolve()
     setting = Setting(args.model, args.layers, args.seq_len, args.steps, out, args.load_balance,
-                      args.attention_backend, (lo, hi), args.gpus, args.ep, args.profile)
+                      args.attention_backend, (lo, hi), args.gpus, args.ep, args.profile, args.simulate_world)
     if not (TOKENIZER_DIR / "tokenizer.json").is_file():
         write_tokenizer()
     data_dir = write_jsonl_data(out / "data")

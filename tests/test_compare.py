@@ -276,6 +276,58 @@ def test_several_gpus_run_under_torchrun_with_ep(tmp_path):
         compare.parse_args(["--gpus", "8", "--ep", "3"])
 
 
+def test_simulated_world_runs_both_trainers_as_rank_0_of_n(tmp_path):
+    """--simulate-world N: one plain process per run, upstream through bench.titan_simulated and ours
+    with [parallelism] simulate_world_size, FSDP over N and the same EP in both; the logs' simulation
+    line marks the results as proxies."""
+    from components.config import parse_args
+
+    setting = compare.Setting("qwen3_30b_a3b", 48, 16384, 20, tmp_path, ep=8, simulate_world=8)
+    data_dir = compare.write_jsonl_data(tmp_path / "data")
+    toml = compare.torchtitan_toml(setting, data_dir=data_dir)
+    assert "expert_parallel_degree = 8" in toml and "data_parallel_shard_degree = -1" in toml
+    assert "rank 0 of 8 simulated" in toml
+    runs = {r.name: r for r in compare.plan(setting, toml_path=tmp_path / "t.toml", data_dir=data_dir)}
+    titan = runs["titan_bf16"].cmd
+    assert titan[1:4] == ["-m", "bench.titan_simulated", "8"] and "torch.distributed.run" not in titan
+    ours = runs["ours_mega"].cmd
+    assert ours[1] == "train.py"
+    cfg = parse_args(ours[2:])
+    assert (cfg.parallelism.simulate_world_size, cfg.parallelism.expert_parallel_degree) == (8, 8)
+    assert cfg.optimizer.implementation == "auto"  # DTensor parameters: no Triton shadows
+    for line in ("simulating rank 0 of 8 ranks in one process: collectives are looped back",
+                 "simulating rank 0 of 8 ranks in one process (upstream TorchTitan, loopback"):
+        assert compare.summarize_log(line + "\n" + ours_log(), 16384, (6, 20))["proxy"] == line
+    assert compare.summarize_log(ours_log(), 16384, (6, 20))["proxy"] is None
+    for bad in (["--simulate-world", "8", "--gpus", "8", "--ep", "8"], ["--simulate-world", "8", "--ep", "3"],
+                ["--simulate-world", "1"]):
+        with pytest.raises(SystemExit):
+            compare.parse_args(bad)
+
+
+def test_titan_simulated_starts_upstream_as_rank_0_of_a_loopback_world(tmp_path):
+    """bench.titan_simulated joins the loopback group of N ranks, sets what torchrun would for rank 0
+    and hands the remaining arguments to TorchTitan's entry point (here a stand-in: upstream needs CUDA)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import os, sys, torch.distributed as dist\n"
+        "from bench import titan_simulated\n"
+        "def entry():\n"
+        "    print('entry', dist.get_backend(), dist.get_world_size(), dist.get_rank(), os.environ['LOCAL_RANK'],\n"
+        "          os.environ['WORLD_SIZE'], sys.argv[1:])\n"
+        "sys.exit(titan_simulated.main(['4', '--job.config_file', 'x.toml'], entry=entry))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         cwd=compare.ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "simulating rank 0 of 4 ranks in one process (upstream TorchTitan" in out.stdout
+    assert "entry loopback 4 0 0 4 ['--job.config_file', 'x.toml']" in out.stdout, out.stdout
+    from bench import titan_simulated
+
+    assert titan_simulated.main(["1"]) == 2 and titan_simulated.main([]) == 2
+
+
 def test_profile_runs_after_the_window_and_breakdowns(tmp_path):
     """--profile: both trainers profile steps after --steps (the timed window is untouched), both
     run the same number of steps (equal cosine schedules); the
