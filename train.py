@@ -346,9 +346,11 @@ class Trainer:
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if cfg.moe.load_balance == "expert_bias":
+            # A copy: self.tokens_per_expert_LE stays this rank's, which expert_load_line sums itself.
+            global_LE = tokens_per_expert_LE.clone()
             if self.distributed:
-                torch.distributed.all_reduce(tokens_per_expert_LE, group=self.parallel_dims.dp_mesh.get_group())
-            for bias_E, counts_E in zip(self.model.expert_biases(), tokens_per_expert_LE):
+                torch.distributed.all_reduce(global_LE, group=self.parallel_dims.dp_mesh.get_group())
+            for bias_E, counts_E in zip(self.model.expert_biases(), global_LE):
                 update_expert_bias(bias_E, counts_E, cfg.moe.bias_update_rate)
         return loss_value, aux_value, grad_norm
 

@@ -200,6 +200,41 @@ def test_ep_capacity_overflow_is_reported_with_chunks(reference, tmp_path):
     assert "step 1:" in got["message"] and "did not fit the expert-parallel receive buffers" in got["message"]
 
 
+def _expert_load_job(rank: int, world: int, args: list[str], init_path: str) -> dict:
+    """One step, then the expert-load line; each router's own counts of this rank, summed over the
+    ranks here, and what the trainer logged."""
+    from components.config import parse_args
+    from train import Trainer
+
+    trainer = Trainer(parse_args(BASE + args))
+    load_full_state(trainer.model, torch.load(init_path))
+    routed = []
+    for block in trainer.model.layers.values():
+        block.moe.router.register_forward_hook(lambda m, inp, out: routed.append(out[2].clone()))
+    logged = []
+    log_expert_load = trainer.metrics.log_expert_load
+    trainer.metrics.log_expert_load = lambda step, counts_LE: logged.append(counts_LE.clone()) or log_expert_load(
+        step, counts_LE)
+    dp = trainer.parallel_dims.dp_size
+    run_steps(trainer, global_batches(dp, 1), dp, False)
+    line = trainer.expert_load_line()
+    want_LE = torch.stack(routed)
+    torch.distributed.all_reduce(want_LE)
+    biases = torch.stack(trainer.model.expert_biases())
+    return {"want": want_LE, "logged": logged[0], "line": line, "biases": biases}
+
+
+def test_expert_load_is_summed_once_with_expert_bias(reference):
+    """With expert_bias, the bias update's all-reduce of the step's counts leaves the trainer's own
+    (this rank's) counts alone: the logged expert load is the sum over the ranks, not dp times it."""
+    got = run_job(2, _expert_load_job, args=["--parallelism.data_parallel_shard_degree", "2", "--moe.load_balance",
+                                             "expert_bias", "--metrics.log_expert_load"], init_path=reference["init"])
+    assert torch.equal(got["logged"], got["want"])
+    # 2 ranks x 2 x 32 tokens x top-2 over 8 experts: 32 slots per expert on average in every layer.
+    assert got["line"].count("/32.0 (") == 2
+    assert got["biases"].abs().sum() > 0  # the bias update ran
+
+
 @pytest.mark.unit
 def test_expert_parallel_chunks_must_be_positive():
     from components.config import ConfigError, parse_args
