@@ -32,7 +32,7 @@ from components.config import ConfigError, JobConfig, parse_args
 from components.dataloader import DataError, build_dataloader
 from components.loss import build_loss_fn
 from components.float8 import convert_to_float8
-from components.metrics import MetricsLogger, flops_per_token
+from components.metrics import MetricsLogger, flops_per_token, format_drops
 from components.optimizer import build_lr_scheduler, build_optimizer, folds_grad_scale, lr_factor
 from components.profiling import StepProfiler
 from components.signals import GracefulStop, Interrupted, interruptible
@@ -225,12 +225,14 @@ class Trainer:
         self._save_started: dict[Path, float] = {}
         self.checkpoint_s = 0.0  # time the loop spent blocked on checkpoint saves
         self._epoch_noted_at: int | None = None  # the step of the last "data repeats" notice
+        self.dropped_slots = (0, 0)  # the last step's EP-dropped and routed slots, over all ranks
+        self._warned_drops = False
         self.metrics = MetricsLogger(
             cfg.metrics, self.device, flops_per_token(self.model_args, t.seq_len),
             tokens_per_step=t.local_batch_size * t.seq_len * self.grad_accum_steps,
             simulated_world=cfg.parallelism.simulate_world_size,
             log_dir=os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder),
-            proxy=ep_proxy_label(proxy) if proxy > 1 else "")
+            proxy=ep_proxy_label(proxy) if proxy > 1 else "", expert_parallel=self.parallel_dims.ep_enabled)
         # FSDP casts parameters itself (MixedPrecisionPolicy); a single process uses autocast.
         self.amp = (torch.autocast(self.device.type, dtype=torch.bfloat16)
                     if t.mixed_precision_param == "bfloat16" and not self.distributed else contextlib.nullcontext())
@@ -293,8 +295,9 @@ class Trainer:
             # Once per step, outside the compiled graph, whatever changed the weights since the last
             # (optimizer step, checkpoint load): their versions cannot tell (components/compute_weights.py).
             refresh_compute_weights(self.model)
-        # ce, aux, dropped slots: summed on device, read once at the end of the step.
-        totals = torch.zeros(3, device=self.device)
+        # ce, aux, EP-dropped slots, routed slots: summed on device, read once at the end of the step
+        # (float64: the slot counts of a large job pass float32's exact integers).
+        totals = torch.zeros(4, dtype=torch.float64, device=self.device)
         tokens_per_expert_LE = None
         for _ in range(self.grad_accum_steps):
             inputs_BL, labels_BL = next(data_iter)
@@ -310,8 +313,9 @@ class Trainer:
             if cfg.moe.load_balance == "aux_loss" and cfg.moe.aux_loss_coef > 0:
                 loss = ce + cfg.moe.aux_loss_coef * aux
             (loss / self.grad_accum_steps).backward()
-            totals += torch.stack([ce.detach(), aux.detach(), router_stats_L3E[:, 2].sum()])
             counts = router_stats_L3E[:, 0].detach()
+            totals += torch.stack([ce.detach().double(), aux.detach().double(),
+                                   router_stats_L3E[:, 2].sum(dtype=torch.float64), counts.sum(dtype=torch.float64)])
             tokens_per_expert_LE = counts if tokens_per_expert_LE is None else tokens_per_expert_LE + counts
         self.tokens_per_expert_LE = tokens_per_expert_LE  # this rank's, for [metrics] log_expert_load
 
@@ -330,27 +334,50 @@ class Trainer:
             group = self.parallel_dims.dp_mesh.get_group()
             torch.distributed.all_reduce(totals, group=group)
             totals[:2] /= self.parallel_dims.dp_size
-        loss_value, aux_value, dropped = (totals[:2] / self.grad_accum_steps).tolist() + [totals[2].item()]
-        if dropped > 0:
-            raise ExpertCapacityError(
-                f"step {self.step}: {int(dropped)} routed (token, expert) slots did not fit the expert-parallel "
-                f"receive buffers ([parallelism] expert_capacity_factor = "
-                f"{cfg.parallelism.expert_capacity_factor}); the step is not applied. Raise the factor (a "
-                f"factor >= the EP degree, {self.parallel_dims.ep}, never overflows) and resume.")
+        loss_value, aux_value = (totals[:2] / self.grad_accum_steps).tolist()
+        dropped, routed = (int(v) for v in totals[2:].tolist())
+        # Over all data-parallel ranks and micro-batches of the step; read by the metrics.
+        self.dropped_slots = (dropped, routed)
+        if dropped > 0 and cfg.parallelism.expert_capacity_overflow == "stop":
+            raise ExpertCapacityError(self._overflow_message(dropped, routed))
         if not math.isfinite(loss_value) or not math.isfinite(grad_norm):
             raise NonFiniteLossError(
                 f"step {self.step}: the loss is {loss_value} and the gradient norm {grad_norm}: training "
                 "diverged, so it stops before the optimizer applies the update (no checkpoint is written). "
                 "Lower [optimizer] lr, raise [lr_scheduler] warmup_steps, or resume from the last checkpoint.")
+        if dropped > 0 and not self._warned_drops:
+            self._warned_drops = True
+            warn(self._overflow_message(dropped, routed))
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if cfg.moe.load_balance == "expert_bias":
+            # A copy: self.tokens_per_expert_LE stays this rank's, which expert_load_line sums itself.
+            global_LE = tokens_per_expert_LE.clone()
             if self.distributed:
-                torch.distributed.all_reduce(tokens_per_expert_LE, group=self.parallel_dims.dp_mesh.get_group())
-            for bias_E, counts_E in zip(self.model.expert_biases(), tokens_per_expert_LE):
+                torch.distributed.all_reduce(global_LE, group=self.parallel_dims.dp_mesh.get_group())
+            for bias_E, counts_E in zip(self.model.expert_biases(), global_LE):
                 update_expert_bias(bias_E, counts_E, cfg.moe.bias_update_rate)
         return loss_value, aux_value, grad_norm
+
+    def _overflow_message(self, dropped: int, routed: int) -> str:
+        """What it means that ``dropped`` of the step's ``routed`` (token, expert) slots did not fit
+        expert parallelism's capacity, under ``[parallelism] expert_capacity_overflow``: the stop's
+        error, or the warning of the first step that drops."""
+        p = self.cfg.parallelism
+        what = (f"step {self.step}: {format_drops(dropped, routed)} did not fit the expert-parallel receive "
+                f"buffers ([parallelism] expert_capacity_factor = {p.expert_capacity_factor})")
+        never = f"a factor >= the EP degree, {self.parallel_dims.ep}, never overflows"
+        if p.expert_capacity_overflow == "stop":
+            return (f"{what}; the step is not applied ([parallelism] expert_capacity_overflow = \"stop\"). Raise "
+                    f"the factor ({never}) and resume, or set expert_capacity_overflow = \"drop\" to train on "
+                    f"without the slots that do not fit.")
+        return (f"{what}. They are dropped and the step is applied, as with a GShard / Megatron capacity factor: "
+                f"those tokens get nothing from those experts (their other experts and the residual still carry "
+                f"them). The metrics line of a step that drops shows how many, the summary the run's total; this "
+                f"warning is not repeated. To drop fewer, raise the factor ({never}; the empty rows of larger "
+                f"buffers travel in every all-to-all too); to stop instead, set [parallelism] "
+                f"expert_capacity_overflow = \"stop\".")
 
     def expert_load_line(self) -> str:
         """Per-layer expert load of the last step over all data-parallel ranks (collective)."""
@@ -386,7 +413,7 @@ class Trainer:
                     loss, aux, grad_norm = self.train_step(data_iter)
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
-                    self.metrics.step_done(self.step, loss)
+                    self.metrics.step_done(self.step, loss, *self.dropped_slots)
                     profiler.step_end(self.step)
                     signum = stop.agreed(self.device)  # every rank stops after the same step
                     self.log_step(loss, aux, grad_norm, lr, last=self.step == t.steps or bool(signum))

@@ -151,9 +151,16 @@ class Parallelism:
                                              "keep them for backward (never), or always except the last "
                                              "block's (default)", choices=("default", "always", "never"))
     fsdp_reduce_dtype: str = _field("float32", "dtype of FSDP gradient reduction", choices=("float32", "bfloat16"))
-    expert_capacity_factor: float = _field(2.0, "EP receive buffers hold this many times the mean rows per "
-                                           "rank; overflow stops the step with a message (a factor >= the EP "
-                                           "degree never overflows)", gt=0)
+    expert_capacity_factor: float = _field(2.0, "EP: each rank sends every peer C = factor x T x K / ep rows per "
+                                           "all-to-all (at most T x min(K, E / ep)), this many times the mean; "
+                                           "the empty rows travel too, so the bytes grow with the factor. Slots "
+                                           "beyond C go as expert_capacity_overflow says; a factor >= the EP "
+                                           "degree never overflows (docs/expert_parallel.md)", gt=0)
+    expert_capacity_overflow: str = _field("drop", "a step whose EP slots did not all fit the capacity: drop (the "
+                                           "slots that did not fit add nothing to their token's output, as with "
+                                           "a GShard / Megatron capacity factor; the step is applied, a warning "
+                                           "says so once and the metrics line counts them) or stop (stop before "
+                                           "the update: a dropless guarantee)", choices=("drop", "stop"))
     simulate_world_size: int = _field(0, "0 = off; N >= 2: one process (no torchrun) acts as rank 0 of an N-rank "
                                       "job: the real meshes, FSDP2 sharding, EP layout and compile of one rank, "
                                       "with collectives looped back (no communication), for per-rank memory and "

@@ -1,6 +1,8 @@
 """Throughput, FLOPs, MFU and memory: printed every ``log_freq`` steps, optionally to TensorBoard,
 and summarised at the end of the run over a step window that follows the run's length
-(:func:`summary_window`), with the final loss and the run's outputs."""
+(:func:`summary_window`), with the final loss and the run's outputs. Slots that expert parallelism's
+capacity dropped (``[parallelism] expert_capacity_overflow = "drop"``) appear in the line of a
+logged step that dropped any, in TensorBoard at every logged step, and in the summary."""
 
 from __future__ import annotations
 
@@ -81,6 +83,8 @@ class MetricsLogger:
     # What the run stands in for when it is a proxy (e.g. "one rank of expert parallelism 8"): the
     # summary says so, since its times leave out that layout's communication.
     proxy: str = ""
+    # With expert parallelism TensorBoard gets the slots its capacity dropped at every logged step (0 too).
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         self.peak_tflops = device_peak_tflops(self.device, self.cfg.peak_tflops)
@@ -92,6 +96,9 @@ class MetricsLogger:
             self.writer = SummaryWriter(self.log_dir)
         self._last = time.perf_counter()
         self.final_loss: tuple[int, float] | None = None
+        # (dropped, routed) (token, expert) slots: per step, and summed over the run.
+        self.drops: dict[int, tuple[int, int]] = {}
+        self.run_drops = (0, 0)
 
     def start(self) -> None:
         """Mark the start of the first timed step (after model build and compile warm-up setup)."""
@@ -99,12 +106,16 @@ class MetricsLogger:
             torch.cuda.reset_peak_memory_stats(self.device)
         self._last = time.perf_counter()
 
-    def step_done(self, step: int, loss: float) -> float:
-        """Record the wall time and loss of ``step``; the caller has synchronised with the device."""
+    def step_done(self, step: int, loss: float, dropped: int = 0, routed: int = 0) -> float:
+        """Record the wall time and loss of ``step``, and the (token, expert) slots it routed and
+        expert parallelism's capacity ``dropped`` (over all ranks); the caller has synchronised with
+        the device."""
         now = time.perf_counter()
         dt, self._last = now - self._last, now
         self.step_times[step] = dt
         self.final_loss = (step, loss)
+        self.drops[step] = (dropped, routed)
+        self.run_drops = (self.run_drops[0] + dropped, self.run_drops[1] + routed)
         return dt
 
     def exclude_pause(self) -> None:
@@ -117,12 +128,17 @@ class MetricsLogger:
         tflops = tps * self.flops_per_token / 1e12
         mfu = f"{100 * tflops / self.peak_tflops:.1f}%" if self.peak_tflops else "n/a"
         mem = peak_memory_gib(self.device)
+        dropped, routed = self.drops.get(step, (0, 0))
+        drops = f"  ep_dropped: {format_drops(dropped, routed)}" if dropped else ""
         line = (f"step: {step:5d}  loss: {loss:8.4f}  aux_loss: {aux_loss:.4f}  grad_norm: {grad_norm:7.4f}  "
                 f"lr: {lr:.2e}  memory: {mem:6.2f}GiB  tps: {tps:,.0f}  step_time: {dt:.3f}s  "
-                f"tflops: {tflops:.2f}  mfu: {mfu}{self._simulated()}")
+                f"tflops: {tflops:.2f}  mfu: {mfu}{drops}{self._simulated()}")
         if self.writer is not None:
-            for key, value in (("loss", loss), ("aux_loss", aux_loss), ("grad_norm", grad_norm), ("lr", lr),
-                               ("tokens_per_second", tps), ("tflops", tflops), ("memory_gib", mem)):
+            scalars = [("loss", loss), ("aux_loss", aux_loss), ("grad_norm", grad_norm), ("lr", lr),
+                       ("tokens_per_second", tps), ("tflops", tflops), ("memory_gib", mem)]
+            if self.expert_parallel and routed:
+                scalars += [("ep_dropped_slots", dropped), ("ep_dropped_fraction", dropped / routed)]
+            for key, value in scalars:
                 self.writer.add_scalar(key, value, step)
         return line
 
@@ -151,8 +167,11 @@ class MetricsLogger:
         return (f"summary: steps {lo}-{hi} (of {ran[0]}-{ran[-1]}{'; ' + note if note else ''}): mean tokens/s "
                 f"per device {mean_tps:,.0f}  mean step time {mean_dt:.3f}s  tflops {tflops:.2f}  mfu {mfu}  "
                 f"peak memory {peak_memory_gib(self.device):.2f}GiB  final loss {loss:.4f} (step {step})"
-                f"{'  proxy: ' + self.proxy if self.proxy else ''}{self._simulated()}\n"
+                f"{self._run_drops()}{'  proxy: ' + self.proxy if self.proxy else ''}{self._simulated()}\n"
                 f"outputs: {'; '.join(outputs) or 'none'}")
+
+    def _run_drops(self) -> str:
+        return f"  ep_dropped over the run: {format_drops(*self.run_drops)}" if self.run_drops[0] else ""
 
     def _simulated(self) -> str:
         """The mark of a simulated run's numbers: one rank's compute and memory, no communication."""
@@ -163,6 +182,12 @@ class MetricsLogger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def format_drops(dropped: int, routed: int) -> str:
+    """``dropped`` of ``routed`` (token, expert) slots, for the lines that report expert parallelism's
+    capacity drops."""
+    return f"{dropped:,} of {routed:,} routed slots ({100 * dropped / routed:.3g}%)"
 
 
 def expert_load_stats(tokens_per_expert_LE: torch.Tensor) -> list[dict[str, float]]:

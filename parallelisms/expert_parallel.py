@@ -3,8 +3,13 @@ by all-to-all, autograd-correct, with no device-to-host sync (docs/expert_parall
 
 - Static capacity: each rank sends every peer exactly
   ``C = min(ceil(capacity_factor x T x K / ep), T x min(K, E / ep))`` rows, the first ``count`` real
-  (token, k) slots and the rest empty (expert id -1, which every backend skips). Slots beyond C are
-  dropped and counted; the trainer stops before applying an update computed without them.
+  (token, k) slots and the rest empty (expert id -1, which every backend skips). The slots a rank
+  sends one peer are laid out in (expert, token) order and those past C are dropped: they add
+  nothing to their token's output (its other experts and the residual still carry it) and are
+  counted per expert. ``[parallelism] expert_capacity_overflow`` tells the trainer what to do with a
+  step that dropped any: apply it and log the count (``"drop"``, a GShard / Megatron capacity
+  factor) or stop before the update (``"stop"``). A factor >= ep never drops (C then holds every
+  slot a rank can send a peer).
 - Expert weights are DTensors on the (dp_replicate, dp_shard_mod_ep, ep) mesh: Shard(0) over ``ep``,
   Shard(1) over ``dp_shard_mod_ep``, all-gathered in the forward by an autograd-aware collective
   (not a nested FSDP unit, whose hooks break a ``fullgraph`` compile of the block);

@@ -185,19 +185,141 @@ def test_save_at_4_ranks_load_at_2(reference, tmp_path):
     assert resumed["losses"] == pytest.approx(losses, rel=1e-5)
 
 
-def test_ep_capacity_overflow_is_reported_not_dropped(reference, tmp_path):
-    """Buffers far too small: every rank stops at step 1 with the message, before any update."""
-    got = spawn(2, ["--parallelism.expert_parallel_degree", "2", "--parallelism.expert_capacity_factor", "0.2"],
-                reference["init"], mode="overflow")
-    assert "step 1:" in got["message"] and "did not fit the expert-parallel receive buffers" in got["message"]
+STOP = ["--parallelism.expert_capacity_overflow", "stop"]
 
 
-def test_ep_capacity_overflow_is_reported_with_chunks(reference, tmp_path):
-    """Each chunk has its own (smaller) buffers; their overflow is summed and reported the same way."""
+def test_ep_capacity_overflow_stops_when_asked(reference, tmp_path):
+    """Buffers far too small and expert_capacity_overflow = "stop": every rank stops at step 1 with
+    the message, before any update."""
     got = spawn(2, ["--parallelism.expert_parallel_degree", "2", "--parallelism.expert_capacity_factor", "0.2",
-                    "--experimental.expert_parallel_chunks", "3"],
+                    *STOP], reference["init"], mode="overflow")
+    assert "step 1:" in got["message"] and "did not fit the expert-parallel receive buffers" in got["message"]
+    assert 'expert_capacity_overflow = "stop"' in got["message"]
+
+
+def test_ep_capacity_overflow_stops_with_chunks(reference, tmp_path):
+    """Each chunk has its own (smaller) buffers; their overflow is summed and stops the run the same way."""
+    got = spawn(2, ["--parallelism.expert_parallel_degree", "2", "--parallelism.expert_capacity_factor", "0.2",
+                    "--experimental.expert_parallel_chunks", "3", *STOP],
                 reference["init"], mode="overflow")
     assert "step 1:" in got["message"] and "did not fit the expert-parallel receive buffers" in got["message"]
+
+
+def _drop_job(rank: int, world: int, args: list[str], init_path: str, dump_folder: str) -> dict:
+    """Train ``[training] steps`` through ``Trainer.train`` with each layer's dispatches recorded:
+    per step, the slots that routing sent past the capacity C (each destination's count beyond C)
+    and the slots ExpertParallel reported dropped, summed over layers, chunks and ranks; rank 0's
+    stdout and stderr, and whether the weights moved."""
+    import contextlib
+    import io
+    from collections import defaultdict
+
+    from components.config import parse_args
+    from train import Trainer
+
+    trainer = Trainer(parse_args(BASE + args + ["--job.dump_folder", dump_folder, "--metrics.log_freq", "1"]))
+    load_full_state(trainer.model, torch.load(init_path))
+    before = full_state(trainer.model)
+    from_routing, reported = defaultdict(int), defaultdict(int)
+    for block in trainer.model.layers.values():
+        ep = block.moe.experts.expert_parallel
+        dispatch, combine = ep._dispatch, ep._combine
+
+        def recording_dispatch(x_TD, topk_ids_TK, ep=ep, dispatch=dispatch):
+            C = ep.capacity(*topk_ids_TK.shape)
+            per_dest = torch.bincount(topk_ids_TK.reshape(-1) // ep.num_local_experts, minlength=ep.ep)
+            from_routing[trainer.step] += int((per_dest - C).clamp(min=0).sum())
+            return dispatch(x_TD, topk_ids_TK)
+
+        def recording_combine(*a, combine=combine):
+            y_TD, dropped_E = combine(*a)
+            reported[trainer.step] += int(dropped_E.sum())
+            return y_TD, dropped_E
+
+        ep._dispatch, ep._combine = recording_dispatch, recording_combine
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        stopped_by = trainer.train()
+    steps = range(1, trainer.cfg.training.steps + 1)
+    counts = torch.tensor([[from_routing[s], reported[s]] for s in steps])
+    torch.distributed.all_reduce(counts)
+    moved = any(not torch.equal(v, before[k]) for k, v in full_state(trainer.model).items())
+    args_ = trainer.model_args
+    return {"stdout": out.getvalue(), "stderr": err.getvalue(), "stopped_by": stopped_by, "step": trainer.step,
+            "from_routing": counts[:, 0].tolist(), "reported": counts[:, 1].tolist(), "moved": moved,
+            "routed": world * LOCAL_BS * SEQ * args_.top_k * args_.n_layers}
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_ep_capacity_overflow_is_dropped_by_default(reference, tmp_path, chunks):
+    """expert_capacity_overflow = "drop" (the default): steps whose slots overflow C are applied and
+    training goes on; each step's line counts exactly the slots routing sent past C (what
+    ExpertParallel reports), summed over ranks, and the first drop warns once."""
+    import re
+
+    steps = 2
+    got = run_job(2, _drop_job, args=["--parallelism.expert_parallel_degree", "2", "--parallelism.expert_capacity_factor",
+                                      "0.75", "--experimental.expert_parallel_chunks", str(chunks),
+                                      "--training.steps", str(steps)],
+                  init_path=reference["init"], dump_folder=str(tmp_path))
+    assert got["stopped_by"] == 0 and got["step"] == steps and got["moved"]
+    # 64 tokens x top-2 per rank, C = 48 rows per peer (unchunked): some destination gets >= 64.
+    assert all(n > 0 for n in got["from_routing"]) and got["reported"] == got["from_routing"]
+    logged = {int(m[0]): (int(m[1].replace(",", "")), int(m[2].replace(",", "")))
+              for m in re.findall(r"^step:\s+(\d+) .*  ep_dropped: ([\d,]+) of ([\d,]+) routed slots \([\d.]+%\)",
+                                  got["stdout"], re.M)}
+    assert logged == {s: (n, got["routed"]) for s, n in zip(range(1, steps + 1), got["from_routing"])}
+    total = sum(got["from_routing"])
+    assert f"ep_dropped over the run: {total:,} of {steps * got['routed']:,} routed slots" in got["stdout"]
+    warnings = [line for line in got["stderr"].splitlines() if "did not fit the expert-parallel" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: step 1: "), got["stderr"]
+    assert "raise the factor (a factor >= the EP degree, 2, never overflows" in warnings[0]
+
+
+@pytest.mark.unit
+def test_expert_capacity_overflow_takes_drop_or_stop():
+    from components.config import ConfigError, parse_args
+
+    assert parse_args(BASE).parallelism.expert_capacity_overflow == "drop"
+    assert parse_args(BASE + STOP).parallelism.expert_capacity_overflow == "stop"
+    with pytest.raises(ConfigError, match=r"command line: --parallelism.expert_capacity_overflow 'ignore' is not "
+                                          r"allowed; choose one of 'drop', 'stop'"):
+        parse_args(BASE + ["--parallelism.expert_capacity_overflow", "ignore"])
+
+
+def _expert_load_job(rank: int, world: int, args: list[str], init_path: str) -> dict:
+    """One step, then the expert-load line; each router's own counts of this rank, summed over the
+    ranks here, and what the trainer logged."""
+    from components.config import parse_args
+    from train import Trainer
+
+    trainer = Trainer(parse_args(BASE + args))
+    load_full_state(trainer.model, torch.load(init_path))
+    routed = []
+    for block in trainer.model.layers.values():
+        block.moe.router.register_forward_hook(lambda m, inp, out: routed.append(out[2].clone()))
+    logged = []
+    log_expert_load = trainer.metrics.log_expert_load
+    trainer.metrics.log_expert_load = lambda step, counts_LE: logged.append(counts_LE.clone()) or log_expert_load(
+        step, counts_LE)
+    dp = trainer.parallel_dims.dp_size
+    run_steps(trainer, global_batches(dp, 1), dp, False)
+    line = trainer.expert_load_line()
+    want_LE = torch.stack(routed)
+    torch.distributed.all_reduce(want_LE)
+    biases = torch.stack(trainer.model.expert_biases())
+    return {"want": want_LE, "logged": logged[0], "line": line, "biases": biases}
+
+
+def test_expert_load_is_summed_once_with_expert_bias(reference):
+    """With expert_bias, the bias update's all-reduce of the step's counts leaves the trainer's own
+    (this rank's) counts alone: the logged expert load is the sum over the ranks, not dp times it."""
+    got = run_job(2, _expert_load_job, args=["--parallelism.data_parallel_shard_degree", "2", "--moe.load_balance",
+                                             "expert_bias", "--metrics.log_expert_load"], init_path=reference["init"])
+    assert torch.equal(got["logged"], got["want"])
+    # 2 ranks x 2 x 32 tokens x top-2 over 8 experts: 32 slots per expert on average in every layer.
+    assert got["line"].count("/32.0 (") == 2
+    assert got["biases"].abs().sum() > 0  # the bias update ran
 
 
 @pytest.mark.unit

@@ -1,4 +1,5 @@
-"""[profiling] traces and memory snapshots, and the --debug expert-load log."""
+"""[profiling] traces and memory snapshots, the --debug expert-load log, and the metrics of slots
+expert parallelism's capacity dropped."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import re
 import pytest
 import torch
 
-from components.metrics import expert_load_stats, format_expert_load
+from components.metrics import MetricsLogger, expert_load_stats, format_expert_load
 from train import main
 
 SMALL = ["--config", "train_configs/debug_model.toml", "--model.n_layers", "2", "--training.seq_len", "64",
@@ -66,3 +67,35 @@ def test_debug_flag_logs_expert_load(tmp_path, capsys):
             assert float(mean) == 64.0 and int(lo) <= 64 <= int(hi)
             assert abs(float(imbalance) - int(hi) / 64) < 0.006
     # (The same run without --debug prints none: test_no_trace_unless_enabled_or_reached.)
+
+
+@pytest.mark.unit
+def test_dropped_slots_in_lines_and_tensorboard():
+    """Slots dropped by EP's capacity: in the line of a step that dropped any (not otherwise), in
+    TensorBoard at every logged step of an EP run, and summed over the run in the summary."""
+    from components.config import Metrics
+
+    class Writer:
+        def __init__(self):
+            self.scalars = {}
+
+        def add_scalar(self, key, value, step):
+            self.scalars[key, step] = value
+
+    logger = MetricsLogger(Metrics(), torch.device("cpu"), flops_per_token=1, tokens_per_step=1, expert_parallel=True)
+    logger.writer = Writer()
+    logger.step_done(1, 5.0, 1234, 40000)
+    logger.step_done(2, 4.0, 0, 40000)
+    first, second = (logger.log(step, 5.0, 0.0, 1.0, 1e-3) for step in (1, 2))
+    assert first.endswith("  ep_dropped: 1,234 of 40,000 routed slots (3.08%)")
+    assert "ep_dropped" not in second
+    assert {k: v for k, v in logger.writer.scalars.items() if k[0].startswith("ep_")} == {
+        ("ep_dropped_slots", 1): 1234, ("ep_dropped_fraction", 1): 1234 / 40000,
+        ("ep_dropped_slots", 2): 0, ("ep_dropped_fraction", 2): 0.0}
+    assert "  ep_dropped over the run: 1,234 of 80,000 routed slots (1.54%)" in logger.summary([])
+    # Without expert parallelism nothing is ever dropped: no such scalars, and no mark.
+    plain = MetricsLogger(Metrics(), torch.device("cpu"), flops_per_token=1, tokens_per_step=1)
+    plain.writer = Writer()
+    plain.step_done(1, 5.0, 0, 40000)
+    assert "ep_dropped" not in plain.log(1, 5.0, 0.0, 1.0, 1e-3) + plain.summary([])
+    assert not any(k[0].startswith("ep_") for k in plain.writer.scalars)

@@ -87,7 +87,7 @@ class MoE(nn.Module):
     def forward(self, x_BLD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (y_BLD, router_stats_3E): row 0 the routed-slot counts per expert (no gradient),
         row 1 the summed router probabilities (for the auxiliary loss), row 2 the slots dropped by
-        expert parallelism's capacity (the trainer stops if any)."""
+        expert parallelism's capacity (the trainer logs them, or stops: ``expert_capacity_overflow``)."""
         return self.run_experts(x_BLD.shape, *self.route(x_BLD))
 
     def route(self, x_BLD: torch.Tensor
