@@ -33,6 +33,8 @@ GPU the hardware cast (``cvt.rn.satfinite``) is used.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -319,9 +321,9 @@ def _cols_grouped_kernel(
 
 
 @triton.jit
-def _rounded(w, ROUND_BF16: tl.constexpr, SOFT: tl.constexpr):
+def bf16_rounded(w, ROUND_BF16: tl.constexpr, SOFT: tl.constexpr):
     """w as fp32; with ROUND_BF16 its values rounded to bf16 (float32 masters quantized from the
-    op's bf16 inputs without a cast pass over the weights)."""
+    op's bf16 inputs without a cast pass over the weights; also the fused AdamW of kernels/adamw.py)."""
     if ROUND_BF16:
         if SOFT:  # the interpreter's fp32 -> bf16 cast does not round to nearest even: on the bits
             u = w.to(tl.int32, bitcast=True)
@@ -357,7 +359,7 @@ def _weight_kernel(
     offs_k = kb * _TILE + tl.arange(0, _TILE)
     mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
     off = e * N * K + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
-    w = _rounded(tl.load(w_ptr + off, mask=mask, other=0.0), ROUND_BF16, SOFT)
+    w = bf16_rounded(tl.load(w_ptr + off, mask=mask, other=0.0), ROUND_BF16, SOFT)
     s = scale_from_amax(tl.max(tl.max(tl.abs(w), axis=1), axis=0), POW2)
     q = to_e4m3_bits(quantize_tile(w, s), SOFT)
     tl.store(q_ptr + off, q, mask=mask)
@@ -372,7 +374,7 @@ def _weight_kernel(
         # through shared memory ran slower.
         toff_w = e * N * K + offs_k[:, None] + offs_n.to(tl.int64)[None, :] * K
         wt = tl.load(w_ptr + toff_w, mask=(offs_k < K)[:, None] & (offs_n < N)[None, :], other=0.0)
-        qt = to_e4m3_bits(quantize_tile(_rounded(wt, ROUND_BF16, SOFT), s), SOFT)
+        qt = to_e4m3_bits(quantize_tile(bf16_rounded(wt, ROUND_BF16, SOFT), s), SOFT)
         tl.store(qt_ptr + toff, qt, mask=tmask)
         tl.store(st_ptr + (e * tl.cdiv(K, _TILE) + kb) * LDST + ST_COL0 + nb, s)
 
@@ -544,29 +546,51 @@ def quantize_weight_into(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, qt: 
     """
     _check_input(w, 3, "w")
     E, N, K = w.shape
+    outputs = weight_output_args("quantize_weight_into", w.shape, q, s, qt, st, qt_col0, qt_cols, st_col0)
+    if q.numel() == 0:
+        return
+    _weight_kernel[(E, triton.cdiv(N, TILE), triton.cdiv(K, TILE))](
+        w, *outputs.tensors, N, K, *outputs.layout,
+        POW2=pow2_scales, SOFT=interpreting(), TRANS=outputs.trans, ROUND_BF16=round_bf16 and w.dtype != torch.bfloat16,
+        num_warps=num_warps,  # 16: faster than 8 or 32
+    )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightOutputArgs:
+    """The output arguments of a 128 x 128 weight quantization kernel: ``tensors`` (q, s, qt, st) as
+    launch arguments (e4m3 as uint8 views; q and s again where there is no transposed layout),
+    ``layout`` (LDT, QT_COL0, QT_COLS, LDST, ST_COL0), and ``trans``: the transposed layout is written."""
+
+    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    layout: tuple[int, int, int, int, int]
+    trans: bool
+
+
+def weight_output_args(who: str, shape: tuple[int, int, int], q: torch.Tensor, s: torch.Tensor,
+                       qt: torch.Tensor | None, st: torch.Tensor | None, qt_col0: int = 0,
+                       qt_cols: int | None = None, st_col0: int = 0) -> WeightOutputArgs:
+    """Check the outputs of the quantization of an (E, N, K) weight (:func:`quantize_weight_into`'s
+    arguments, which document them) and return them as the kernels take them; errors name ``who``."""
+    E, N, K = shape
     NB, KB = triton.cdiv(N, TILE), triton.cdiv(K, TILE)
-    for t, shape, dtype, name in ((q, (E, N, K), FP8, "q"), (s, (E, NB, KB), torch.float32, "s")):
-        if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
-            raise ValueError(f"quantize_weight_into: {name} must be a contiguous {dtype} {shape}, got "
-                             f"{t.dtype} {tuple(t.shape)}")
+    for t, want, dtype, name in ((q, (E, N, K), FP8, "q"), (s, (E, NB, KB), torch.float32, "s")):
+        if tuple(t.shape) != want or t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"{who}: {name} must be a contiguous {dtype} {want}, got {t.dtype} {tuple(t.shape)}")
     trans = qt is not None
     if trans != (st is not None):
-        raise ValueError("quantize_weight_into: pass both qt and st, or neither")
+        raise ValueError(f"{who}: pass both qt and st, or neither")
     qt_cols = N if qt_cols is None else qt_cols
     if trans:
         if (qt.dim() != 3 or qt.dtype != FP8 or not qt.is_contiguous() or qt.shape[:2] != (E, K)
                 or not N <= qt_cols <= NB * TILE or qt_col0 + qt_cols > qt.shape[2]):
-            raise ValueError(f"quantize_weight_into: qt must be a contiguous e4m3 ({E}, {K}, >= {qt_col0 + qt_cols}) "
+            raise ValueError(f"{who}: qt must be a contiguous e4m3 ({E}, {K}, >= {qt_col0 + qt_cols}) "
                              f"with N = {N} <= qt_cols <= {NB * TILE}; got {qt.dtype} {tuple(qt.shape)}, qt_cols {qt_cols}")
         if (st.dim() != 3 or st.dtype != torch.float32 or not st.is_contiguous() or st.shape[:2] != (E, KB)
                 or st_col0 + NB > st.shape[2]):
-            raise ValueError(f"quantize_weight_into: st must be a contiguous fp32 ({E}, {KB}, >= {st_col0 + NB}); "
+            raise ValueError(f"{who}: st must be a contiguous fp32 ({E}, {KB}, >= {st_col0 + NB}); "
                              f"got {st.dtype} {tuple(st.shape)}")
-    if q.numel() == 0:
-        return
-    _weight_kernel[(E, NB, KB)](
-        w, q.view(torch.uint8), s, qt.view(torch.uint8) if trans else q.view(torch.uint8), st if trans else s,
-        N, K, qt.shape[2] if trans else 0, qt_col0, qt_cols, st.shape[2] if trans else 0, st_col0,
-        POW2=pow2_scales, SOFT=interpreting(), TRANS=trans, ROUND_BF16=round_bf16 and w.dtype != torch.bfloat16,
-        num_warps=num_warps,  # 16: faster than 8 or 32
-    )  # fmt: skip
+    q8 = q.view(torch.uint8)
+    if not trans:
+        return WeightOutputArgs((q8, s, q8, s), (0, qt_col0, qt_cols, 0, st_col0), False)
+    return WeightOutputArgs((q8, s, qt.view(torch.uint8), st), (qt.shape[2], qt_col0, qt_cols, st.shape[2], st_col0), True)

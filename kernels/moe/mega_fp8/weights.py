@@ -24,6 +24,8 @@ import triton
 
 from kernels.fp8.blockwise import FP8, TILE, quantize_weight_into
 
+# The weights quantized, in the op's argument order.
+WEIGHTS = ("w1", "w3", "w2")
 # The tensor fields, in the order of tensors() (the custom ops take them as one list).
 TENSOR_FIELDS = ("w1_q", "w1_s", "w3_q", "w3_s", "w2_q", "w2_s", "w2t_q", "w2t_s", "w13t_q", "w13t_s")
 
@@ -61,13 +63,22 @@ class QuantizedExpertWeights:
             out = cls.empty(E, F, D, w1_EFD.device, pow2_scales)
         else:
             out.check_matches(w1_EFD, w3_EFD, w2_EDF, pow2_scales)
-        FB = triton.cdiv(F, TILE)
-        FP = FB * TILE
-        kw = dict(pow2_scales=pow2_scales, round_bf16=round_bf16)
-        quantize_weight_into(w1_EFD, out.w1_q, out.w1_s, out.w13t_q, out.w13t_s, 0, FP, 0, **kw)
-        quantize_weight_into(w3_EFD, out.w3_q, out.w3_s, out.w13t_q, out.w13t_s, FP, FP, FB, **kw)
-        quantize_weight_into(w2_EDF, out.w2_q, out.w2_s, out.w2t_q, out.w2t_s, **kw)
+        outputs = out.outputs()
+        for name, w in zip(WEIGHTS, (w1_EFD, w3_EFD, w2_EDF)):
+            quantize_weight_into(w, **outputs[name], pow2_scales=pow2_scales, round_bf16=round_bf16)
         return out
+
+    def outputs(self) -> dict[str, dict]:
+        """Per weight ("w1", "w3", "w2"), where its quantization writes: the output arguments of
+        ``quantize_weight_into`` (q, s, qt, st, qt_col0, qt_cols, st_col0). w1 and w3 fill the two
+        halves of w13t, each half F rounded up to 128 columns wide."""
+        FB = self.w1_s.shape[1]
+        FP = FB * TILE
+        return {
+            "w1": dict(q=self.w1_q, s=self.w1_s, qt=self.w13t_q, st=self.w13t_s, qt_col0=0, qt_cols=FP, st_col0=0),
+            "w3": dict(q=self.w3_q, s=self.w3_s, qt=self.w13t_q, st=self.w13t_s, qt_col0=FP, qt_cols=FP, st_col0=FB),
+            "w2": dict(q=self.w2_q, s=self.w2_s, qt=self.w2t_q, st=self.w2t_s),
+        }
 
     @classmethod
     def empty(cls, E: int, F: int, D: int, device, pow2_scales: bool = False) -> "QuantizedExpertWeights":
