@@ -255,7 +255,8 @@ class Trainer:
             cfg.metrics, self.device, flops_per_token(self.model_args, t.seq_len),
             tokens_per_step=t.local_batch_size * t.seq_len * self.grad_accum_steps,
             simulated_world=cfg.parallelism.simulate_world_size,
-            log_dir=os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder),
+            # TensorBoard on rank 0 only: the scalars are already reduced over the ranks.
+            log_dir=os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder) if self.rank == 0 else None,
             proxy=ep_proxy_label(proxy) if proxy > 1 else "", expert_parallel=self.parallel_dims.ep_enabled)
         # FSDP casts parameters itself (MixedPrecisionPolicy); a single process uses autocast.
         self.amp = (torch.autocast(self.device.type, dtype=torch.bfloat16)

@@ -223,7 +223,8 @@ class Checkpoint:
 @dataclass
 class Metrics:
     log_freq: int = _field(10, "print metrics every this many steps", ge=1)
-    enable_tensorboard: bool = _field(False, "also write TensorBoard scalars")
+    enable_tensorboard: bool = _field(False, "also write TensorBoard scalars (rank 0 writes them, reduced over "
+                                      "the ranks)")
     save_tb_folder: str = _field("tb", "TensorBoard folder, relative to job.dump_folder")
     peak_tflops: float = _field(0.0, "device peak TFLOP/s for MFU; 0 = known GPUs' bf16 dense peak, "
                                 "else MFU is not reported", ge=0)

@@ -260,7 +260,7 @@ def test_ep_capacity_overflow_is_dropped_by_default(reference, tmp_path, chunks)
     steps = 2
     got = run_job(2, _drop_job, args=["--parallelism.expert_parallel_degree", "2", "--parallelism.expert_capacity_factor",
                                       "0.75", "--experimental.expert_parallel_chunks", str(chunks),
-                                      "--training.steps", str(steps)],
+                                      "--training.steps", str(steps), "--metrics.enable_tensorboard", "true"],
                   init_path=reference["init"], dump_folder=str(tmp_path))
     assert got["stopped_by"] == 0 and got["step"] == steps and got["moved"]
     # 64 tokens x top-2 per rank, C = 48 rows per peer (unchunked): some destination gets >= 64.
@@ -274,6 +274,8 @@ def test_ep_capacity_overflow_is_dropped_by_default(reference, tmp_path, chunks)
     warnings = [line for line in got["stderr"].splitlines() if "did not fit the expert-parallel" in line]
     assert len(warnings) == 1 and warnings[0].startswith("warning: step 1: "), got["stderr"]
     assert "raise the factor (a factor >= the EP degree, 2, never overflows" in warnings[0]
+    # One TensorBoard writer (rank 0's): the scalars are reduced over the ranks already.
+    assert len(list(tmp_path.rglob("events.out.tfevents*"))) == 1
 
 
 @pytest.mark.unit

@@ -120,7 +120,9 @@ def test_fp8_cache_trains_like_per_call_quantization(tmp_path, more):
     """mega_fp8 in one process: the first step is bitwise (same e4m3 weights); later steps follow
     closely (the cached path writes the weight gradients in float32, the per-call path in bf16).
     Compiled, the cache's tensors reach the op through the traced graph."""
-    extra = ["--moe.backend", "mega", "--quantize.moe", "fp8_blockwise", "--model.n_layers", "1", *more]
+    # Small (16 tokens): the interpreter runs every FP8 kernel of both runs, compiled ones twice under AC.
+    extra = ["--moe.backend", "mega", "--quantize.moe", "fp8_blockwise", "--model.n_layers", "1",
+             "--training.seq_len", "16", "--training.local_batch_size", "1", *more]
     cached, losses, _ = _train(tmp_path, extra, steps=2)
     assert cached.weight_cache_mode == "fp8_blockwise"
     _, plain_losses, _ = _train(tmp_path, extra + ["--moe.cache_expert_weights", "false"], steps=2)
