@@ -10,7 +10,8 @@ TorchTitan starts; TorchTitan 0.2.2's ``init_distributed`` keeps a group that al
 its FSDP2 and expert-parallel code run as on rank 0 of N, with its own meshes, sharding and
 compile. Upstream's dropless all-to-all exchanges its split sizes first; under loopback what this
 rank receives equals what it sends, a symmetric exchange, so it runs and every routed slot is
-computed once, by this rank's experts.
+computed once, by this rank's expert of the same local index, as in ours (checked on CPU against
+upstream's own ExpertParallel: tests/test_compare.py, where torchtitan is installed).
 
 One difference from ours: upstream shards each router gate over its experts, so the all-gather of
 N copies of this rank's rows ties the logits of experts that share a local index (all of them when

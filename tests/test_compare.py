@@ -328,6 +328,49 @@ def test_titan_simulated_starts_upstream_as_rank_0_of_a_loopback_world(tmp_path)
     assert titan_simulated.main(["1"]) == 2 and titan_simulated.main([]) == 2
 
 
+_UPSTREAM_EP_IN_LOOPBACK = """
+import os
+os.environ["TRITON_INTERPRET"] = "1"
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module
+from torchtitan.distributed.expert_parallel import ExpertParallel
+from torchtitan.models.moe.moe import GroupedExperts
+from parallelisms.simulate import init_simulated_world
+
+init_simulated_world(4)
+E, D, F, n_local = 8, 32, 16, 2
+torch.manual_seed(0)
+experts = GroupedExperts(dim=D, hidden_dim=F, num_experts=E, use_grouped_mm=False)
+with torch.no_grad():
+    experts.init_weights(0.02)
+w1, w2, w3 = (w.detach().clone() for w in (experts.w1, experts.w2, experts.w3))
+parallelize_module(experts, init_device_mesh("cpu", (4,), mesh_dim_names=("ep",)), ExpertParallel())
+counts = torch.tensor([3, 0, 5, 2, 1, 4, 0, 2])  # rows per global expert, in expert order
+x = torch.randn(int(counts.sum()), D, requires_grad=True)
+y = experts(x, counts)
+y.sum().backward()
+local = torch.repeat_interleave(torch.arange(E), counts) % n_local
+want = torch.stack([(torch.nn.functional.silu(r @ w1[j].T) * (r @ w3[j].T)) @ w2[j].T for r, j in zip(x.detach(), local)])
+print("maxdiff", float((y - want).abs().max()), "grad_finite", bool(torch.isfinite(x.grad).all()))
+"""
+
+
+def test_upstream_expert_parallel_runs_in_a_loopback_world():
+    """What bench.titan_simulated relies on: upstream's own ExpertParallel (its dropless all-to-all
+    with split sizes exchanged first) runs in the loopback world of 4 ranks, and each row routed to
+    global expert e is computed by this rank's local expert e mod (E/ep), the semantics of ours."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torchtitan.distributed.expert_parallel")
+    out = subprocess.run([sys.executable, "-c", _UPSTREAM_EP_IN_LOOPBACK], capture_output=True, text=True,
+                         timeout=300, cwd=compare.ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    maxdiff, finite = out.stdout.split()[1], out.stdout.split()[3]
+    assert float(maxdiff) < 1e-6 and finite == "True", out.stdout
+
+
 def test_profile_runs_after_the_window_and_breakdowns(tmp_path):
     """--profile: both trainers profile steps after --steps (the timed window is untouched), both
     run the same number of steps (equal cosine schedules); the
