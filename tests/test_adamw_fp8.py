@@ -175,3 +175,52 @@ def test_optimizer_benchmark_fp8_experts_runs():
     rows = optimizer.fp8_expert_rows(2, 128, 128, 1, DEVICE, time_ms if HAS_CUDA else wall_ms, ((64, 8), (32, 4)))
     assert [name for name, *_ in rows][-2:] == ["AdamW step writing the e4m3 copies, 64 rows x 8 warps",
                                                "AdamW step writing the e4m3 copies, 32 rows x 4 warps"]
+
+
+
+_COMPILE_SM90 = """
+import os, re, subprocess, sys, tempfile
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import mangle_type
+from kernels.adamw import FP8_ROWS, FP8_WARPS, _adamw_fp8_weight_kernel as fn
+
+f32, u8 = torch.empty(1), torch.empty(1, dtype=torch.uint8)
+args = dict(p_ptr=f32, g_ptr=torch.empty(1, dtype=torch.bfloat16), m_ptr=f32, v_ptr=f32, scale_ptr=f32, q_ptr=u8,
+            s_ptr=f32, qt_ptr=u8, st_ptr=f32, N=768, K=2048, LDT=768, QT_COL0=0, QT_COLS=768, LDST=6, ST_COL0=0,
+            lr=1e-4, wd=0.1, beta1=0.9, beta2=0.95, eps=1e-8, step_size=1e-3, bc2_sqrt=0.5)
+consts = dict(HAS_SCALE=True, POW2=False, SOFT=False, TRANS=True, ROWS=FP8_ROWS)
+names = list(fn.arg_names)
+signature = {n: "constexpr" if n in consts else mangle_type(args[n]) for n in names}
+src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()})
+kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": FP8_WARPS})
+cubin = os.path.join(tempfile.mkdtemp(), "k.cubin")
+open(cubin, "wb").write(kernel.asm["cubin"])
+sass = subprocess.run([sys.argv[1], "-sass", cubin], capture_output=True, text=True, check=True).stdout
+res = subprocess.run([sys.argv[1], "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
+regs, stack = re.search(r"REG:(\\d+) STACK:(\\d+)", res).groups()
+print("regs", regs, "stack", stack, "local", bool(re.search(r"\\b(LDL|STL)\\b", sass)))
+"""
+
+
+def test_compiles_for_sm90_without_spills():
+    """The default launch (FP8_ROWS rows, FP8_WARPS warps) compiled for sm_90 with Triton's own ptxas,
+    on any machine (in a process without the interpreter): no register spills; a whole 128 x 128
+    block per step spilled at any warp count."""
+    import os
+    import subprocess
+    import sys
+
+    import triton
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        pytest.skip("triton ships no cuobjdump here")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", _COMPILE_SM90, cuobjdump], capture_output=True, text=True,
+                         timeout=300, cwd=root, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    _, regs, _, stack, _, local = out.stdout.split()
+    assert int(stack) == 0 and local == "False" and int(regs) <= 255, out.stdout
