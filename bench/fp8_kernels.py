@@ -2,6 +2,7 @@
 
     python -m bench.fp8_kernels            # both shapes, T = 16384, top-8, E = 128
     python -m bench.fp8_kernels --sweep    # launch-parameter sweep of the three FP8 GEMMs, 30B shape
+    python -m bench.fp8_kernels --kernels  # the whole op, with a kernel-by-kernel profile (bf16, FP8 cached)
 
 Prints time, TFLOP/s (GEMMs, counting only routed rows) and GB/s (quantization: bytes read +
 written). The GEMM block sizes are grouped_gemm._block_sizes' defaults.
@@ -92,7 +93,40 @@ def _moe_inputs(T, D, F, E, top_k, device):
     return x, ids, s, *ws, torch.randn(T, D, device=device, dtype=torch.bfloat16)
 
 
-def time_moe_ops(T=16384, top_k=8, E=128, shapes=SHAPES, iters=20, device="cuda", timer=None) -> list[str]:
+def kernel_breakdown(fn, iters: int = 10, device: str = "cuda") -> list[tuple[str, float, float]]:
+    """Every kernel ``fn`` launches: (name, ms per call of ``fn``, launches per call), largest first,
+    from torch.profiler over ``iters`` calls after one warm-up call. On CPU (the tests) the operators'
+    own CPU time stands in for kernel time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(device).type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    fn()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(iters):
+            fn()
+        sync()
+    rows = []
+    for e in prof.key_averages():
+        us = e.self_device_time_total if cuda else e.self_cpu_time_total
+        if us > 0:
+            rows.append((e.key, us / 1e3 / iters, e.count / iters))
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def breakdown_rows(title: str, kernels: list[tuple[str, float, float]], top: int = 25) -> list[str]:
+    """A printed table of :func:`kernel_breakdown`'s result: the ``top`` largest, then the rest summed."""
+    total = sum(ms for _, ms, _ in kernels)
+    rows = [f"{title}: {total:.3f} ms of kernels per call", f"  {'ms':>8s} {'calls':>6s}  kernel"]
+    rows += [f"  {ms:8.3f} {n:6.1f}  {name[:110]}" for name, ms, n in kernels[:top]]
+    if len(kernels) > top:
+        rows.append(f"  {sum(ms for _, ms, _ in kernels[top:]):8.3f} {'':6s}  {len(kernels) - top} other kernels")
+    return rows
+
+
+def time_moe_ops(T=16384, top_k=8, E=128, shapes=SHAPES, iters=20, device="cuda", timer=None,
+                 breakdown: tuple[str, ...] = ()) -> list[str]:
     """Median ms of the whole MoE op, forward and forward + backward: bf16 ``mega``, ``mega_fp8``
     quantizing its weights per call, and ``mega_fp8`` as the trainer runs it with the expert weight
     cache (``cached``: e4m3 copies made beforehand, float32 master weights as gradient carriers,
@@ -101,7 +135,8 @@ def time_moe_ops(T=16384, top_k=8, E=128, shapes=SHAPES, iters=20, device="cuda"
     ratio is bf16 ``mega`` / it.
 
     ``timer(fn, iters)`` returns ms (default: CUDA events, :func:`bench.timing.time_ms`); the tests run
-    this at a tiny size on CPU with a wall clock to exercise the code paths.
+    this at a tiny size on CPU with a wall clock to exercise the code paths. ``breakdown``: labels of
+    variants whose forward + backward is also profiled kernel by kernel (:func:`kernel_breakdown`).
     """
     from kernels.moe.mega_fp8 import MegaFP8Options
     from kernels.moe.mega_fp8.weights import QuantizedExpertWeights
@@ -139,6 +174,14 @@ def time_moe_ops(T=16384, top_k=8, E=128, shapes=SHAPES, iters=20, device="cuda"
         for label, (f, fb) in ms.items():
             rows.append(f"  {label:38s} {f:8.3f} {fb:8.3f} ({3 * flops / fb / 1e9:5.0f} TFLOP/s, {fb16 / fb:4.2f}x)")
         print("\n".join(rows[-len(ms) - 1:]), flush=True)
+        for label in breakdown:
+            fn, ws = variants[label]
+            leaves = [t.clone().requires_grad_() for t in (x, s, *ws)]
+            table = breakdown_rows(f"{name} {label.strip()}, fwd+bwd",
+                                   kernel_breakdown(lambda: torch.autograd.grad(fn(leaves[0], ids, *leaves[1:]),
+                                                                                leaves, dy), device=device))
+            rows += table
+            print("\n".join(table), flush=True)
     return rows
 
 
@@ -228,8 +271,13 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="launch-parameter sweep only")
-    if parser.parse_args().sweep:
+    parser.add_argument("--kernels", action="store_true", help="the whole op only, with a kernel-by-kernel "
+                        "profile of bf16 mega and cached mega_fp8 forward + backward")
+    cli = parser.parse_args()
+    if cli.sweep:
         sweep()
+    elif cli.kernels:
+        time_moe_ops(breakdown=("mega (bf16)", "mega_fp8 cached"))
     else:
         main()
         time_moe_ops()

@@ -326,8 +326,12 @@ def test_bench_code_paths():
         return (time.perf_counter() - start) * 1e3
 
     rows = fp8_kernels.time_moe_ops(T=8, top_k=2, E=2, shapes={"tiny": (128, 128)}, iters=1,
-                                    device=DEVICE, timer=wall_ms if not _HAS_CUDA else None)
-    assert len(rows) == 6 and "cached" in rows[3] and all("TFLOP/s" in r for r in rows[1:]), rows
+                                    device=DEVICE, timer=wall_ms if not _HAS_CUDA else None,
+                                    breakdown=("mega_fp8 cached",))
+    assert "cached" in rows[3] and all("TFLOP/s" in r for r in rows[1:6]), rows
+    # The kernel-by-kernel table: a title with the total, a header, then one row per kernel.
+    assert rows[6].startswith("tiny mega_fp8 cached, fwd+bwd: ") and "ms of kernels per call" in rows[6], rows[6:]
+    assert len(rows) > 8 and all(float(r.split()[0]) >= 0 for r in rows[8:]), rows[6:]
 
 
 @pytest.mark.skipif(_HAS_CUDA, reason="the GPU runs the real sweep (python -m bench.fp8_kernels --sweep)")
