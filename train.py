@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from components.checkpoint import CheckpointError, CheckpointManager, check_output_folders, model_identity
 from components.compute_weights import (EXPERT_WEIGHTS, ComputeLinear, attach_to_optimizer, enable_compute_weights,
@@ -226,15 +227,30 @@ class Trainer:
 
         built = time.perf_counter()
         seed_everything(t.seed, t.deterministic)
-        with torch.device("meta"):
-            model = Qwen3MoE(self.model_args, moe_backend=resolve_moe_backend(cfg.moe.backend, cfg.quantize.moe),
-                             use_expert_bias=cfg.moe.load_balance == "expert_bias",
-                             attention_backend=m.attention_backend)
-        convert_to_float8(model, cfg.quantize, log=self.log)
+
+        def meta_model(log) -> Qwen3MoE:
+            with torch.device("meta"):
+                model = Qwen3MoE(self.model_args, moe_backend=resolve_moe_backend(cfg.moe.backend, cfg.quantize.moe),
+                                 use_expert_bias=cfg.moe.load_balance == "expert_bias",
+                                 attention_backend=m.attention_backend)
+            convert_to_float8(model, cfg.quantize, log=log)
+            return model
+
+        model = meta_model(self.log)
         self.fp8_options = configure_fp8_experts(model, cfg.quantize, self.device, self.log)
         parallelize_model(model, self.parallel_dims, cfg, self.distributed)
         model.to_empty(device=self.device)
         model.init_weights()
+        if self.distributed and self.device.type == "cpu":
+            # DTensor's random ops give each shard its own part of one random stream only on CUDA (its
+            # RNG tracker); on CPU every rank would draw the same values for its shard (routers with
+            # tied expert rows). The shards are cut from the one-process initialization instead.
+            full = meta_model(lambda *_: None)
+            full.to_empty(device="cpu")
+            torch.manual_seed(t.seed)
+            full.init_weights()
+            set_model_state_dict(model, full.state_dict(), options=StateDictOptions(full_state_dict=True))
+            del full
         self.model = model
         self.loss_fn = build_loss_fn(cfg.compile.enable and cfg.compile.loss, cfg.compile.backend)
         self.optimizer = build_optimizer(model, cfg.optimizer, self.device.type)

@@ -185,6 +185,28 @@ def test_save_at_4_ranks_load_at_2(reference, tmp_path):
     assert resumed["losses"] == pytest.approx(losses, rel=1e-5)
 
 
+def _init_job(rank: int, world: int, args: list[str]) -> dict | None:
+    from components.config import parse_args
+    from train import Trainer
+
+    trainer = Trainer(parse_args(BASE + args))
+    state = full_state(trainer.model)
+    return state if rank == 0 else None
+
+
+@pytest.mark.parametrize("world,args", [(4, ["--parallelism.expert_parallel_degree", "2"]),
+                                        (2, ["--parallelism.data_parallel_shard_degree", "2"])],
+                         ids=["dp_shard2_x_ep2", "dp_shard2"])
+def test_cpu_ranks_start_from_the_one_process_init(reference, world, args):
+    """On CPU (no DTensor RNG tracker) the sharded model's initial weights are those of one process
+    with the same seed, bitwise, not every rank's shard drawn alike."""
+    got = run_job(world, _init_job, args=args)
+    want = torch.load(reference["init"])
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+
+
 STOP = ["--parallelism.expert_capacity_overflow", "stop"]
 
 
