@@ -9,7 +9,9 @@ precision setting, one after another, each in its own process:
 * ``bf16``: ``mega`` backend, bf16 (the reference curve);
 * ``mega_fp8``: ``mega`` with ``[quantize] moe = "fp8_blockwise"`` (our block-scaled FP8 kernels);
 * ``gmm_fp8``: ``grouped_mm`` with ``[quantize] moe = "fp8_rowwise"`` (TorchTitan's FP8 method);
-* ``mega_fp8_all``: ``mega_fp8`` plus ``[quantize] linear = "fp8_rowwise"`` (attention projections).
+* ``mega_fp8_all``: ``mega_fp8`` plus ``[quantize] linear = "fp8_rowwise"`` (attention projections);
+* ``titan_bf16``: upstream TorchTitan 0.2.2's own trainer, bf16, from the TOML ``bench.compare`` writes
+  (the same data, schedule and seed; needs torchtitan installed, else the run is listed as skipped).
 
 The data loader is seeded, so every run sees the same batches in the same order; initial weights come
 from the same seed. Each FP8 curve is compared with the bf16 one by the mean loss over the last 10%
@@ -39,6 +41,7 @@ from bench.compare import (
     parse_step_lines,
     plan,
     run_one,
+    torchtitan_toml,
     write_jsonl_data,
     write_tokenizer,
 )
@@ -49,6 +52,7 @@ RUNS = {
     "mega_fp8": ("ours_mega_fp8", []),
     "gmm_fp8": ("ours_grouped_mm_fp8", []),
     "mega_fp8_all": ("ours_mega_fp8", ["--quantize.linear", "fp8_rowwise"]),
+    "titan_bf16": ("titan_bf16", []),
 }
 TOLERANCE = 0.01  # the loss within 1% of bf16 at the end
 
@@ -139,7 +143,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "bf16 is the reference and must be among them")
     p.add_argument("--timeout", type=float, default=600, help="seconds per run")
     p.add_argument("--out", type=Path, default=ROOT / "outputs" / "fp8_parity")
-    p.add_argument("--ours-args", default="", help="extra arguments for every run, one string (last wins)")
+    p.add_argument("--ours-args", default="", help="extra arguments for every run of our trainer, one string "
+                   "(last wins)")
     p.add_argument("--reuse", action="store_true", help="keep a run whose log in --out already holds all its "
                    "steps from the same command (to spread the runs over several calls)")
     args = p.parse_args(argv)
@@ -165,7 +170,7 @@ def write_report(args: argparse.Namespace, argv: list[str], out: Path, curves: d
     out.mkdir(parents=True, exist_ok=True)
     (out / "parity.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     (out / "parity.md").write_text(markdown(report), encoding="utf-8")
-    report["chart"] = loss_chart(curves, out / "parity.png", f"FP8 vs bf16: {report['setting']}")
+    report["chart"] = loss_chart(curves, out / "parity.png", f"training loss: {report['setting']}")
     return report
 
 
@@ -178,23 +183,33 @@ def main(argv: list[str] | None = None) -> int:
         write_tokenizer()
     data_dir = write_jsonl_data(out / "data")
     # The caller's overrides are appended below, after each run's own arguments (last wins).
-    by_name = {r.name: r for r in plan(setting, toml_path=out / "unused.toml", data_dir=data_dir)}
+    toml_path = out / "torchtitan.toml"
+    if "titan_bf16" in args.run_names:
+        toml_path.parent.mkdir(parents=True, exist_ok=True)
+        toml_path.write_text(torchtitan_toml(setting, data_dir=data_dir), encoding="utf-8")
+    by_name = {r.name: r for r in plan(setting, toml_path=toml_path, data_dir=data_dir)}
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     curves: dict[str, dict[int, float]] = {}
     commands: dict[str, str] = {}
     report: dict[str, Any] = {}
     for name in args.run_names:
         base, extra = RUNS[name]
-        cmd = by_name[base].cmd + extra + shlex.split(args.ours_args)
+        planned = by_name[base]
+        cmd = planned.cmd + extra + (shlex.split(args.ours_args) if planned.trainer == "ours" else [])
         commands[name] = display(cmd)
         log_path = out / "logs" / f"{name}.log"
+        if planned.skip:
+            print(f"[{name}] skipped: {planned.skip}", flush=True)
+            curves[name] = {}
+            report = write_report(args, argv, out, curves, commands)
+            continue
         text = log_path.read_text(encoding="utf-8", errors="replace") if log_path.is_file() else ""
         losses = {s: v["loss"] for s, v in parse_step_lines(text).items() if "loss" in v}
         if args.reuse and text.startswith("$ " + shlex.join(cmd)) and max(losses, default=0) >= args.steps:
             curves[name] = losses
             print(f"[{name}] reused {log_path}: {len(losses)} steps", flush=True)
         else:
-            info = run_one(Run(name, name, "ours", "fp8" if "fp8" in name else "bf16", cmd), log_path, args.timeout, env)
+            info = run_one(Run(name, name, planned.trainer, planned.precision, cmd), log_path, args.timeout, env)
             text = log_path.read_text(encoding="utf-8", errors="replace")
             curves[name] = {s: v["loss"] for s, v in parse_step_lines(text).items() if "loss" in v}
             print(f"[{name}] rc {info['returncode']}{' (timed out)' if info['timed_out'] else ''}, "

@@ -2,6 +2,7 @@
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -48,6 +49,33 @@ def test_reuse_keeps_complete_runs(tmp_path, monkeypatch):
     (tmp_path / "logs" / "mega_fp8.log").write_text("$ other command\n")
     assert P.main(args + ["--reuse"]) == 0 and ran == ["bf16", "mega_fp8", "mega_fp8"]
     assert json.loads((tmp_path / "parity.json").read_text())["comparison"]["mega_fp8"]["within"] is True
+
+
+def test_upstream_run_uses_its_own_trainer(tmp_path, monkeypatch):
+    """titan_bf16 runs upstream's trainer from the TOML the script writes, without our trainer's
+    overrides; without torchtitan it is reported as skipped and the script fails."""
+    import bench.compare as C
+
+    ran = {}
+
+    def fake_run_one(run, log_path, timeout, env):
+        ran[run.name] = run
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_path.write_text("\n".join(f"step: {s}  loss: {5.0 - s / 10:8.4f}  tps: 100" for s in range(1, 4)) + "\n")
+        return {"returncode": 0, "timed_out": False, "wall_s": 0.0}
+
+    monkeypatch.setattr(P, "run_one", fake_run_one)
+    monkeypatch.setattr(C, "_has", lambda package: True)
+    args = ["--runs", "bf16,titan_bf16", "--steps", "3", "--out", str(tmp_path), "--ours-args", "--model.flavor debug"]
+    assert P.main(args) == 0
+    titan = ran["titan_bf16"]
+    assert titan.trainer == "torchtitan" and "--model.flavor" not in titan.cmd
+    toml = titan.cmd[titan.cmd.index("--job.config_file") + 1]
+    assert toml == str(tmp_path / "torchtitan.toml") and "steps = 3" in Path(toml).read_text()
+    assert "--model.flavor" in ran["bf16"].cmd
+    monkeypatch.setattr(C, "_has", lambda package: False)
+    assert P.main(args) == 1
+    assert json.loads((tmp_path / "parity.json").read_text())["comparison"]["titan_bf16"]["status"] == "no steps logged"
 
 
 def test_bad_arguments():
