@@ -32,7 +32,7 @@ Who keeps them current:
   the bf16 copies from the updated values in its own pass (:func:`attach_to_optimizer`), 2 bytes per
   parameter instead of a refresh reading the float32 parameter again (4 + 2 bytes); its post-step
   hook marks them current. With ``[optimizer] fp8_weights_in_step`` (off by default: measured
-  slower than the refresh, BENCHMARKS Run 29) the same optimizer writes the experts' e4m3 copies too
+  slower than the refresh, BENCHMARKS.md) the same optimizer writes the experts' e4m3 copies too
   (:meth:`~kernels.adamw.TritonAdamW.attach_fp8_weights`, 128 x 128 blocks quantized as they are
   updated: the bytes :meth:`ComputeWeights.refresh` writes), so no refresh runs between steps. The
   FP8 op reads only the e4m3 copies, so no bf16 copy of these weights is written at all.

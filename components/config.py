@@ -132,7 +132,8 @@ class Optimizer:
                                        "one process and bf16 autocast: the optimizer writes the experts' e4m3 copies "
                                        "as it updates them (kernels/adamw.py), instead of the expert weight cache "
                                        "re-reading the float32 weights after the step; the same bytes. Off: measured slower "
-                                       "than the step + refresh on an H100 (BENCHMARKS Run 29); with other settings the run stops at start saying what to change")
+                                       "than the step + refresh (BENCHMARKS.md); with other settings the run stops at "
+                                       "start saying what to change")
 
 
 @dataclass

@@ -31,8 +31,8 @@ elementwise pass: :func:`adamw_fp8_weight_step_`, one program per 128 x 128 bloc
 the block, takes the amax of its bf16-rounded values, then reads the block it just wrote back
 from L2 and quantizes it. Counted: 2 bytes of memory traffic more per parameter (the two e4m3
 layouts) instead of the expert weight cache's separate refresh (4 bytes read, 2 written), and one
-launch less per weight; measured slower than the step + refresh on an H100 (8.4 against 7.3 ms
-per 30B layer, BENCHMARKS Run 29: the block-wise pass runs at 2.2 TB/s, the elementwise step at 2.9). Parameters, moments and e4m3 bytes are bitwise those of
+launch less per weight. Measured slower than the step + refresh (BENCHMARKS.md): the block-wise
+pass, with its re-reads from L2, streams memory more slowly than the flat elementwise step. Parameters, moments and e4m3 bytes are bitwise those of
 :func:`adamw_step_` followed by that refresh.
 
 Scope: float32 parameters and moments, float32 or bf16 gradients, contiguous; plain tensors or
