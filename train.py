@@ -89,29 +89,6 @@ def check_implemented(cfg: JobConfig) -> None:
              "mega on the H200 (BENCHMARKS.md, docs/fp8.md); for speed use [quantize] moe = \"none\"")
 
 
-def check_fp8_weights_in_step(cfg: JobConfig, distributed: bool) -> None:
-    """``[optimizer] fp8_weights_in_step`` needs what lets the Triton AdamW write the experts' e4m3
-    copies: that optimizer, the cached FP8 experts, and plain (one-process) weights."""
-    if not cfg.optimizer.fp8_weights_in_step:
-        return
-    key = "[optimizer] fp8_weights_in_step = true"
-    if cfg.optimizer.implementation != "triton":
-        raise ConfigError(f"{key} needs [optimizer] implementation = \"triton\" (the optimizer that writes the "
-                          f"copies), not {cfg.optimizer.implementation!r}; set it, or fp8_weights_in_step = false")
-    if resolve_moe_backend(cfg.moe.backend, cfg.quantize.moe) != "mega_fp8":
-        raise ConfigError(f"{key} writes the e4m3 copies of [quantize] moe = \"fp8_blockwise\" experts ([moe] "
-                          f"backend = \"mega\"); this run has moe = {cfg.quantize.moe!r}, backend = "
-                          f"{cfg.moe.backend!r}: set fp8_weights_in_step = false")
-    if not cfg.moe.cache_expert_weights or cfg.training.mixed_precision_param != "bfloat16":
-        raise ConfigError(f"{key} writes the expert weight cache, which needs [moe] cache_expert_weights = true "
-                          f"and [training] mixed_precision_param = \"bfloat16\"; set them, or "
-                          f"fp8_weights_in_step = false")
-    if distributed:
-        raise ConfigError(f"{key} runs in one process only (the optimizer writes copies of plain tensors, not of "
-                          f"FSDP/EP shards); set fp8_weights_in_step = false (the copies are then refreshed once "
-                          f"per step)")
-
-
 def configure_fp8_experts(model: torch.nn.Module, quantize, device: torch.device, log):
     """The ``mega_fp8`` experts' options from ``[quantize]`` (their GEMM engine), set on every expert
     module and returned; None when no expert runs ``mega_fp8``. Logs the engine the GEMMs run on."""
@@ -190,7 +167,6 @@ class Trainer:
         self.distributed = torch.distributed.is_initialized()
         proxy = cfg.experimental.simulate_expert_parallel_degree
         check_ep_proxy(cfg, world_size, self.distributed, self.model_args.num_experts, m.flavor)
-        check_fp8_weights_in_step(cfg, self.distributed)
         self.parallel_dims = build_parallel_dims(cfg.parallelism, world_size, self.model_args.num_experts,
                                                  self.device.type)
         if self.device.type == "cuda":
@@ -289,8 +265,7 @@ class Trainer:
         process under bf16 autocast, or expert parallelism; FSDP's all-gather casts the others).
         ``[optimizer] shadow_weights`` with the Triton AdamW, one process under bf16 autocast and one
         micro-batch per step (accumulation would sum in bf16): the copies carry the gradients, and
-        the dense linears get copies too. ``[optimizer] fp8_weights_in_step``: that optimizer also
-        writes the FP8 experts' e4m3 copies (checked at start: :func:`check_fp8_weights_in_step`)."""
+        the dense linears get copies too."""
         t = cfg.training
         self.weight_cache_mode, dtype, whole = None, None, True
         if cfg.moe.cache_expert_weights:
@@ -314,8 +289,7 @@ class Trainer:
             # For eager forwards outside train_step (which refreshes the copies itself); registered
             # before the optimizer's own hook, which marks the copies it wrote current.
             self.optimizer.register_step_post_hook(lambda *_: invalidate_compute_weights(self.model))
-            taken = attach_to_optimizer(self.model, self.optimizer, carry_grads=self.shadow_weights,
-                                        fp8=cfg.optimizer.fp8_weights_in_step)
+            taken = attach_to_optimizer(self.model, self.optimizer, carry_grads=self.shadow_weights)
             self.caches_in_optimizer = sum(c.params == EXPERT_WEIGHTS for c in taken)
 
     def describe(self) -> str:

@@ -31,11 +31,7 @@ Who keeps them current:
 - ``[optimizer] implementation = "triton"``: :meth:`kernels.adamw.TritonAdamW.attach_shadow` writes
   the bf16 copies from the updated values in its own pass (:func:`attach_to_optimizer`), 2 bytes per
   parameter instead of a refresh reading the float32 parameter again (4 + 2 bytes); its post-step
-  hook marks them current. With ``[optimizer] fp8_weights_in_step`` (off by default: measured
-  slower than the refresh, BENCHMARKS.md) the same optimizer writes the experts' e4m3 copies too
-  (:meth:`~kernels.adamw.TritonAdamW.attach_fp8_weights`, 128 x 128 blocks quantized as they are
-  updated: the bytes :meth:`ComputeWeights.refresh` writes), so no refresh runs between steps. The
-  FP8 op reads only the e4m3 copies, so no bf16 copy of these weights is written at all.
+  hook marks them current.
 - Gradient carriers (that optimizer, one process, one micro-batch per step): the bf16 copies become
   leaf tensors that require grad and the model computes with them directly, so the bf16 weight
   gradients land in their ``.grad`` as they are; the optimizer reads them there (``grad_from_shadow``)
@@ -146,13 +142,6 @@ class ComputeWeights(nn.Module):
     def grad_carriers(self) -> list[torch.Tensor]:
         """The copies whose ``.grad`` hold the owner's gradients (empty unless enabled)."""
         return [getattr(self, n) for n in self._names] if self.carries_grads else []
-
-    @property
-    def fp8_outputs(self) -> dict[str, dict]:
-        """fp8 mode: parameter name -> where its quantization writes (``QuantizedExpertWeights.outputs``)."""
-        if self.mode != "fp8_blockwise":
-            raise ValueError(f"only fp8_blockwise copies are e4m3 (these are {self.mode!r})")
-        return self.quantized.outputs()
 
     @property
     def shadows(self) -> dict[str, torch.Tensor]:
@@ -302,18 +291,13 @@ def grad_carriers(model: nn.Module) -> list[torch.Tensor]:
     return [t for _, copies in _owners(model) for t in copies.grad_carriers]
 
 
-def attach_to_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, carry_grads: bool = False,
-                        fp8: bool = False) -> list[ComputeWeights]:
+def attach_to_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, carry_grads: bool = False
+                        ) -> list[ComputeWeights]:
     """Let an optimizer that can (``attach_shadow``: :class:`kernels.adamw.TritonAdamW`) write the bf16
     copies of plain tensors in its update pass and mark them current after each step; with
     ``carry_grads`` the experts' copies also carry their gradients (the linears' always do) and the
-    optimizer reads them there. With ``fp8`` it also writes the experts' e4m3 copies
-    (``attach_fp8_weights``), and every such copy must be one it can write (plain tensors: one
-    process), else ValueError. Returns the copies it took (none when the optimizer cannot)."""
+    optimizer reads them there. Returns the copies it took (none when the optimizer cannot)."""
     owned = _owners(model)
-    if fp8 and not hasattr(optimizer, "attach_fp8_weights"):
-        raise ValueError("the experts' e4m3 copies are written in the step only by the Triton AdamW "
-                         "([optimizer] implementation = \"triton\")")
     if not hasattr(optimizer, "attach_shadow"):
         if any(copies.carries_grads for _, copies in owned):
             raise ValueError("compute copies that carry gradients need an optimizer that reads them "
@@ -322,21 +306,13 @@ def attach_to_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, carr
     taken = []
     for owner, copies in owned:
         params = {n: getattr(owner, n) for n in copies.params}
-        plain = all(type(p.data) is torch.Tensor for p in params.values())
-        if copies.mode == "fp8_blockwise" and fp8:
-            if not plain:
-                raise ValueError("the experts' e4m3 copies are written in the optimizer step only for plain "
-                                 "(one-process) weights, these are sharded; set [optimizer] fp8_weights_in_step "
-                                 "= false (the copies are then refreshed once per step)")
-            for name, outputs in copies.fp8_outputs.items():
-                optimizer.attach_fp8_weights(params[name], outputs, copies.pow2_scales)
-        elif copies.mode != "bf16" or copies.dtype != torch.bfloat16 or not plain:
+        if copies.mode != "bf16" or copies.dtype != torch.bfloat16 or any(type(p.data) is not torch.Tensor
+                                                                          for p in params.values()):
             continue
-        else:
-            if carry_grads and not copies.carries_grads:
-                copies.enable_grad_carriers()
-            for name, shadow in copies.shadows.items():
-                optimizer.attach_shadow(params[name], shadow, grad_from_shadow=copies.carries_grads)
+        if carry_grads and not copies.carries_grads:
+            copies.enable_grad_carriers()
+        for name, shadow in copies.shadows.items():
+            optimizer.attach_shadow(params[name], shadow, grad_from_shadow=copies.carries_grads)
         taken.append((owner, copies))
     if taken:
         def mark(*_):

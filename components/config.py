@@ -128,12 +128,6 @@ class Optimizer:
                                   "micro-batch per step: the optimizer writes bf16 copies of the linear and expert "
                                   "weights that the model computes with and that carry bf16 gradients (no per-step "
                                   "casts; components/compute_weights.py); ignored otherwise")
-    fp8_weights_in_step: bool = _field(False, "with implementation = \"triton\", [quantize] moe = \"fp8_blockwise\", "
-                                       "one process and bf16 autocast: the optimizer writes the experts' e4m3 copies "
-                                       "as it updates them (kernels/adamw.py), instead of the expert weight cache "
-                                       "re-reading the float32 weights after the step; the same bytes. Off: measured slower "
-                                       "than the step + refresh (BENCHMARKS.md); with other settings the run stops at "
-                                       "start saying what to change")
 
 
 @dataclass

@@ -32,7 +32,6 @@ TIERS = ("unit", "kernels", "integration")
 # Each module's default tier; tests that differ from it carry their own marker.
 MODULE_TIERS = {
     "test_adamw": "kernels",
-    "test_adamw_fp8": "kernels",
     "test_attention_bench": "unit",
     "test_checkpoint": "integration",
     "test_comm_volume": "unit",

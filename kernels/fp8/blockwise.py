@@ -323,7 +323,7 @@ def _cols_grouped_kernel(
 @triton.jit
 def bf16_rounded(w, ROUND_BF16: tl.constexpr, SOFT: tl.constexpr):
     """w as fp32; with ROUND_BF16 its values rounded to bf16 (float32 masters quantized from the
-    op's bf16 inputs without a cast pass over the weights; also the fused AdamW of kernels/adamw.py)."""
+    op's bf16 inputs without a cast pass over the weights)."""
     if ROUND_BF16:
         if SOFT:  # the interpreter's fp32 -> bf16 cast does not round to nearest even: on the bits
             u = w.to(tl.int32, bitcast=True)
