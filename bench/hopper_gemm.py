@@ -1,7 +1,9 @@
 """The warp-specialized Gluon FP8 GEMM (kernels/fp8/hopper_gemm.py) against cuBLAS's block-scaled
-FP8 (`torch._scaled_mm` with 1 x 128 and 128 x 128 scales), on the GPU.
+FP8 (`torch._scaled_mm` with 1 x 128 and 128 x 128 scales), on the GPU; its K-grouped (wgrad) and
+M-grouped (down, dX, dA') siblings against the plain-Triton kernels of the MoE op.
 
     python -m bench.hopper_gemm [--shapes 8192x8192x8192,131072x1536x2048] [--iters 50]
+    python -m bench.hopper_gemm --shapes '' --wgrad-shapes '' --grouped-shapes 2048x768,2048x1536,768x2048
 
 Checks every variant against a float64 reference on fresh random inputs at awkward shapes (rows
 not a multiple of the tile, K not a multiple of 128), then times each variant (median of CUDA-event
@@ -51,6 +53,26 @@ def make_wgrad_inputs(counts: list[int], M: int, NCOL: int, device="cuda", gener
     return (*quantize_cols_grouped(dy, offsets_E1), *quantize_cols_grouped(x, offsets_E1), offsets_E1)
 
 
+def make_grouped_inputs(counts: list[int], N: int, K: int, extra_rows: int = 0, device="cuda",
+                        generator: torch.Generator | None = None):
+    """The operands of an M-grouped GEMM over experts with ``counts`` rows each, then ``extra_rows``
+    rows past every expert (the op's empty slots): A (rows, K) e4m3 with 1 x 128 scales (a few rows
+    100x larger), B (E, N, K) with 128 x 128 block scales, the offsets, a random row -> slot
+    permutation and positive slot weights. Drawn on the CPU from ``generator``, moved to ``device``."""
+    E, rows = len(counts), sum(counts) + extra_rows
+    kb, nb = -(-K // 128), -(-N // 128)
+    a_q = (torch.randn(rows, K, generator=generator) * 3).to(E4M3)
+    b_q = (torch.randn(E, N, K, generator=generator) * 3).to(E4M3)
+    a_s = torch.rand(rows, kb, generator=generator) + 0.25
+    b_s = torch.rand(E, nb, kb, generator=generator) + 0.25
+    if rows:
+        a_s[torch.randint(0, rows, (max(1, rows // 50), ), generator=generator)] *= 100
+    offsets_E1 = torch.tensor([0] + counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+    slot = torch.randperm(rows, generator=generator).to(torch.int32)
+    weights = torch.rand(rows, generator=generator) + 0.1
+    return [t.to(device) for t in (a_q, a_s, b_q, b_s, offsets_E1, slot, weights)]
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm()).item()
 
@@ -97,12 +119,50 @@ def time_wgrad(shapes: str, iters: int, experts: int = 128, rows: int = 131072) 
     return out
 
 
+# The MoE op's M-grouped GEMMs: (name, out dtype, scatter, weighted).
+GROUPED_MODES = (("down", torch.bfloat16, True, True), ("dX", torch.bfloat16, True, False),
+                 ("dA", torch.float32, False, False))
+
+
+def time_grouped(shapes: str, iters: int, experts: int = 128, rows: int = 131072) -> list[dict]:
+    """The M-grouped GEMM (N x K per expert) over ``rows`` expert-sorted rows split evenly over
+    ``experts``, in each of the op's modes: the Triton kernel (kernels/fp8/grouped_gemm.py, the op's
+    64 x 128 tiles) against the Gluon one; relative errors against a float64 reference."""
+    from kernels.fp8.grouped_gemm import fp8_grouped_gemm, fp8_grouped_gemm_ref
+    from kernels.fp8.hopper_grouped import fp8_grouped_gemm_ws
+    from kernels.moe.routing import tile_table
+
+    out = []
+    for shape in shapes.split(","):
+        N, K = map(int, shape.split("x"))
+        a_q, a_s, b_q, b_s, offs, slot, w = make_grouped_inputs([rows // experts] * experts, N, K)
+        t64, t128 = tile_table(offs, rows, 64), tile_table(offs, rows, 128)
+        flop = 2 * rows * N * K
+        for mode, dtype, scatter, weighted in GROUPED_MODES:
+            kw = dict(out_slot_N=slot if scatter else None, slot_weights_N=w if weighted else None)
+            ref = fp8_grouped_gemm_ref(a_q, a_s, b_q, b_s, offs, **kw)
+            res = {"shape": f"{mode} {N}x{K}"}
+            fns = {"triton": lambda: fp8_grouped_gemm(a_q, a_s, b_q, b_s, offs, out_dtype=dtype, tiles=t64, **kw),
+                   "gluon": lambda: fp8_grouped_gemm_ws(a_q, a_s, b_q, b_s, offs, dtype, t128, **kw)}
+            for name, fn in fns.items():
+                res[name + "_err"] = rel_err(fn(), ref)
+                res[name] = flop / time_ms(fn, iters) / 1e9
+                print(f"grouped {res['shape']} {name}: {res[name]:.0f} TFLOP/s (err {res[name + '_err']:.1e})",
+                      flush=True)
+            out.append(res)
+            del ref
+        torch.cuda.empty_cache()
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="8192x8192x8192,131072x1536x2048,131072x2048x768,131072x3072x4096,131072x4096x1536")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--wgrad-shapes", default="768x2048,2048x768,1536x4096,4096x1536",
                    help="M x Ncol of the K-grouped wgrad over 131072 rows, 128 experts ('' skips)")
+    p.add_argument("--grouped-shapes", default="2048x768,2048x1536,768x2048,4096x1536,4096x3072,1536x4096",
+                   help="N x K of the M-grouped GEMMs over 131072 rows, 128 experts ('' skips)")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
@@ -124,7 +184,7 @@ def main() -> None:
             print(f"  {M}x{N}x{K} torch._scaled_mm: {rel_err(scaled_mm(a_q, a_s, b_q, b_s), ref):.2e}")
 
     rows = []
-    for shape in args.shapes.split(","):
+    for shape in filter(None, args.shapes.split(",")):
         M, N, K = map(int, shape.split("x"))
         a_q, a_s, b_q, b_s = make_inputs(M, N, K)
         a_st = a_s.t().contiguous()
@@ -146,11 +206,19 @@ def main() -> None:
         torch.cuda.empty_cache()
 
     wrows = time_wgrad(args.wgrad_shapes, args.iters) if args.wgrad_shapes else []
+    grows = time_grouped(args.grouped_shapes, args.iters) if args.grouped_shapes else []
     with open(os.path.join(args.out, "hopper_gemm.json"), "w") as f:
-        json.dump({"dense": rows, "wgrad": wrows}, f, indent=1)
-    print(f"\n{'TFLOP/s':<28}" + "".join(f"{r['shape']:>18}" for r in rows))
-    for name in ["cublas"] + names:
-        print(f"{name:<28}" + "".join(f"{r[name]:>18.0f}" for r in rows))
+        json.dump({"dense": rows, "wgrad": wrows, "grouped": grows}, f, indent=1)
+    if rows:
+        print(f"\n{'TFLOP/s':<28}" + "".join(f"{r['shape']:>18}" for r in rows))
+        for name in ["cublas"] + names:
+            print(f"{name:<28}" + "".join(f"{r[name]:>18.0f}" for r in rows))
+    if grows:
+        print(f"\n{'M-grouped TFLOP/s':<22}{'triton':>10}{'gluon':>10}{'gluon err':>12}")
+        for r in grows:
+            print(f"{r['shape']:<22}{r['triton']:>10.0f}{r['gluon']:>10.0f}{r['gluon_err']:>12.1e}")
+            if not r["gluon_err"] < 1e-2:
+                bad.append((r["shape"], "gluon", r["gluon_err"]))
     if wrows:
         print(f"\n{'wgrad TFLOP/s':<28}" + "".join(f"{r['shape']:>18}" for r in wrows))
         for name in [k for k in wrows[0] if k != "shape" and not k.endswith("_err")]:

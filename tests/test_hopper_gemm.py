@@ -1,4 +1,5 @@
-"""The warp-specialized Gluon FP8 GEMMs (kernels/fp8/hopper_gemm.py, hopper_wgrad.py) and the engine choice.
+"""The warp-specialized Gluon FP8 GEMMs (kernels/fp8/hopper_gemm.py, hopper_wgrad.py, hopper_grouped.py)
+and the engine choice.
 
 - Everywhere (CPU included): the kernel compiles for sm_90a with Triton's own ptxas, its SASS uses
   the FP8 warpgroup MMA (QGMMA) and spills nothing to local memory. Gluon kernels have no CPU
@@ -21,11 +22,12 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.runtime.jit import mangle_type  # noqa: E402
 
-from bench.hopper_gemm import make_inputs, make_wgrad_inputs  # noqa: E402
+from bench.hopper_gemm import make_grouped_inputs, make_inputs, make_wgrad_inputs  # noqa: E402
 from kernels.fp8 import hopper_gemm as H  # noqa: E402
+from kernels.fp8 import hopper_grouped as G  # noqa: E402
 from kernels.fp8 import hopper_wgrad as W  # noqa: E402
 from kernels.fp8.engine import resolve_engine  # noqa: E402
-from kernels.fp8.grouped_gemm import fp8_wgrad, fp8_wgrad_ref  # noqa: E402
+from kernels.fp8.grouped_gemm import fp8_grouped_gemm, fp8_grouped_gemm_ref, fp8_wgrad, fp8_wgrad_ref  # noqa: E402
 from tests.utils import random_seed  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -69,13 +71,29 @@ def _compile_wgrad(stages: int, out_dtype: torch.dtype):
                          ("as_ptr", "bs_ptr", "tile_offs_ptr", "M", "NCOL", "SA_T", "SB_T"))
 
 
+def _compile_grouped(out_dtype: torch.dtype, scatter: bool, weighted: bool):
+    NR, N, K = 4096, 2048, 768
+    descs = _fp8_descriptors(NR, N, K, out_dtype)
+    args = dict(a_desc=descs["a_desc"], b_desc=descs["b_desc"], out_ptr=torch.empty(NR, N, dtype=out_dtype),
+                as_ptr=torch.empty(NR, 6), bs_ptr=torch.empty(8, 16, 6), slot_ptr=torch.empty(NR, dtype=torch.int32),
+                w_ptr=torch.empty(NR), offsets_ptr=torch.empty(9, dtype=torch.int32),
+                table_ptr=torch.empty(81, dtype=torch.int32), num_tiles=40, NR=NR, N=N, K=K, LDO=N, SA_R=6, SA_K=1)
+    return _compile_sm90(G._fp8_grouped_kernel, args, dict(STAGES=4, SCATTER=scatter, WEIGHTED=weighted, SA_K=1),
+                         ("as_ptr", "bs_ptr", "slot_ptr", "w_ptr", "offsets_ptr", "table_ptr", "out_ptr", "N", "K",
+                          "LDO"))
+
+
 @pytest.mark.skipif(not os.path.exists(os.path.join(BIN, "cuobjdump")), reason="triton ships no cuobjdump here")
-@pytest.mark.parametrize("kernel", ["gemm_st4", "gemm_st5", "gemm_st4_unscaled", "wgrad_st4_fp32", "wgrad_st4_bf16"])
+@pytest.mark.parametrize("kernel", ["gemm_st4", "gemm_st5", "gemm_st4_unscaled", "wgrad_st4_fp32", "wgrad_st4_bf16",
+                                    "grouped_down", "grouped_dx", "grouped_da"])
 def test_compiles_for_sm90_without_spills(tmp_path, kernel):
     kernel = {"gemm_st4": lambda: _compile_gemm(4, True), "gemm_st5": lambda: _compile_gemm(5, True),
               "gemm_st4_unscaled": lambda: _compile_gemm(4, False),
               "wgrad_st4_fp32": lambda: _compile_wgrad(4, torch.float32),
-              "wgrad_st4_bf16": lambda: _compile_wgrad(4, torch.bfloat16)}[kernel]()
+              "wgrad_st4_bf16": lambda: _compile_wgrad(4, torch.bfloat16),
+              "grouped_down": lambda: _compile_grouped(torch.bfloat16, True, True),
+              "grouped_dx": lambda: _compile_grouped(torch.bfloat16, True, False),
+              "grouped_da": lambda: _compile_grouped(torch.float32, False, False)}[kernel]()
     cubin = tmp_path / "k.cubin"
     cubin.write_bytes(kernel.asm["cubin"])
     sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
@@ -166,6 +184,57 @@ def test_wgrad_rejects_what_it_cannot_run():
         W.fp8_wgrad_ws(at_q, at_s, bt_q, bt_s, offs)
     with pytest.raises(ValueError, match="at_s"):
         W.fp8_wgrad_ws(at_q[:128], at_s[:64], bt_q, bt_s, offs)
+
+
+# Expert row counts of the M-grouped tests (as WGRAD_ROUTINGS), and rows past every expert.
+GROUPED_ROUTINGS = {"uneven": ([300, 0, 129, 1024, 5, 128], 37), "one_expert": ([0, 0, 1000, 0], 0),
+                    "single_row": ([1, 0], 3), "balanced": ([512] * 8, 0)}
+
+
+@pytest.mark.skipif(not IS_HOPPER, reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.parametrize("routing", list(GROUPED_ROUTINGS))
+@pytest.mark.parametrize("N,K", [(256, 384), (2048, 768), (136, 208), (768, 2048)])
+@pytest.mark.parametrize("mode", ["down", "dx", "da"])
+def test_grouped_matches_float64(routing, N, K, mode):
+    """The op's three uses: combine (scatter to slots, routing weights, bf16), scatter (bf16), plain
+    rows (fp32), against float64 and the Triton kernel on the rows the op reads (rows past every
+    expert are left unwritten, as by the Triton kernel); deterministic."""
+    seed = random_seed()
+    gen = torch.Generator().manual_seed(seed)
+    counts, extra = GROUPED_ROUTINGS[routing]
+    a_q, a_s, b_q, b_s, offs, slot, w = make_grouped_inputs(counts, N, K, extra, generator=gen)
+    kw = dict(out_slot_N=slot if mode != "da" else None, slot_weights_N=w if mode == "down" else None)
+    dtype = torch.float32 if mode == "da" else torch.bfloat16
+    out = G.fp8_grouped_gemm_ws(a_q, a_s, b_q, b_s, offs, dtype, **kw)
+    assert out.shape == (a_q.shape[0], N) and out.dtype == dtype
+    ref = fp8_grouped_gemm_ref(a_q, a_s, b_q, b_s, offs, **kw)
+    written = torch.zeros(a_q.shape[0], dtype=torch.bool, device=out.device)
+    written[:int(offs[-1])] = True
+    if kw["out_slot_N"] is not None:
+        written = torch.zeros_like(written).index_copy(0, slot.long(), written)
+    out2 = G.fp8_grouped_gemm_ws(a_q, a_s, b_q, b_s, offs, dtype, **kw)
+    torch.testing.assert_close(out2[written], out[written], rtol=0, atol=0,
+                               msg=lambda d: f"seed {seed}: not deterministic: {d}")
+    tol = 4e-3 if dtype == torch.bfloat16 else 1e-3
+    if written.any():
+        o, r = out[written].double(), ref[written]
+        err = ((o - r).norm() / r.norm().clamp_min(1e-30)).item()
+        assert err < tol, f"seed {seed}: relative error {err:.2e}"
+        tri = fp8_grouped_gemm(a_q, a_s, b_q, b_s, offs, out_dtype=dtype, **kw)[written].double()
+        assert ((o - tri).norm() / r.norm().clamp_min(1e-30)).item() < tol, f"seed {seed}: engines disagree"
+
+
+@pytest.mark.skipif(not IS_HOPPER, reason="needs an sm_90 (Hopper) GPU")
+def test_grouped_rejects_what_it_cannot_run():
+    a_q, a_s, b_q, b_s, offs, slot, w = make_grouped_inputs([200, 10], 256, 200, generator=torch.Generator().manual_seed(0))
+    assert not G.grouped_supported(200)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        G.fp8_grouped_gemm_ws(a_q, a_s, b_q, b_s, offs)
+    a_q, a_s, b_q, b_s, offs, slot, w = make_grouped_inputs([200, 10], 256, 256, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="tiles"):
+        G.fp8_grouped_gemm_ws(a_q, a_s, b_q, b_s, offs, tiles=torch.zeros(2, 3, dtype=torch.int32, device="cuda"))
+    with pytest.raises(ValueError, match="slot_weights_N needs out_slot_N"):
+        G.fp8_grouped_gemm_ws(a_q, a_s, b_q, b_s, offs, slot_weights_N=w)
 
 
 def test_engine_choice():

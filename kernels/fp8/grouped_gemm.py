@@ -360,6 +360,32 @@ def _tma_descriptor(t: torch.Tensor, rows: int, block_rows: int):
     return TensorDescriptor.from_tensor(t.view(rows, K), [block_rows, TILE])
 
 
+def check_grouped_operands(a_q, a_s, b_q, b_s, offsets_E1, out_dtype, sorted_slot_N=None, out_slot_N=None,
+                           slot_weights_N=None) -> tuple[int, int, int, int]:
+    """Validate the operands of an M-grouped GEMM (see :func:`fp8_grouped_gemm`); returns (E, N, K, Nr)."""
+    _check_fp8(a_q, 2, "a_q")
+    _check_fp8(b_q, 3, "b_q")
+    E, N, K = b_q.shape
+    if a_q.shape[1] != K:
+        raise ValueError(f"a_q has K = {a_q.shape[1]}, b_q has K = {K}")
+    _check_scales(a_s, (a_q.shape[0], triton.cdiv(K, TILE)), "a_s")
+    _check_scales(b_s, (E, triton.cdiv(N, TILE), triton.cdiv(K, TILE)), "b_s")
+    if offsets_E1.numel() != E + 1:
+        raise ValueError(f"offsets_E1 has {offsets_E1.numel()} entries, expected E + 1 = {E + 1}")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"out_dtype must be bf16 or fp32, got {out_dtype}")
+    Nr = sorted_slot_N.numel() if sorted_slot_N is not None else a_q.shape[0]
+    if out_slot_N is not None and out_slot_N.numel() != Nr:
+        raise ValueError(f"out_slot_N has {out_slot_N.numel()} entries, expected one per row ({Nr})")
+    if slot_weights_N is not None:
+        if out_slot_N is None:
+            raise ValueError("slot_weights_N needs out_slot_N (the weights are indexed by output row)")
+        if slot_weights_N.dtype != torch.float32 or slot_weights_N.numel() != Nr or not slot_weights_N.is_contiguous():
+            raise ValueError(f"slot_weights_N: expected {Nr} contiguous fp32 weights, got {slot_weights_N.dtype} "
+                             f"{tuple(slot_weights_N.shape)}")
+    return E, N, K, Nr
+
+
 def fp8_grouped_gemm(
     a_q: torch.Tensor,
     a_s: torch.Tensor,
@@ -402,26 +428,8 @@ def fp8_grouped_gemm(
         (Nr, N) ``out_dtype`` (bf16 or fp32). Rows r >= offsets_E1[E] (empty slots; with
         ``out_slot_N`` their slots) are not written.
     """
-    _check_fp8(a_q, 2, "a_q")
-    _check_fp8(b_q, 3, "b_q")
-    E, N, K = b_q.shape
-    if a_q.shape[1] != K:
-        raise ValueError(f"a_q has K = {a_q.shape[1]}, b_q has K = {K}")
-    _check_scales(a_s, (a_q.shape[0], triton.cdiv(K, TILE)), "a_s")
-    _check_scales(b_s, (E, triton.cdiv(N, TILE), triton.cdiv(K, TILE)), "b_s")
-    if offsets_E1.numel() != E + 1:
-        raise ValueError(f"offsets_E1 has {offsets_E1.numel()} entries, expected E + 1 = {E + 1}")
-    if out_dtype not in (torch.bfloat16, torch.float32):
-        raise TypeError(f"out_dtype must be bf16 or fp32, got {out_dtype}")
-    Nr = sorted_slot_N.numel() if sorted_slot_N is not None else a_q.shape[0]
-    if out_slot_N is not None and out_slot_N.numel() != Nr:
-        raise ValueError(f"out_slot_N has {out_slot_N.numel()} entries, expected one per row ({Nr})")
-    if slot_weights_N is not None:
-        if out_slot_N is None:
-            raise ValueError("slot_weights_N needs out_slot_N (the weights are indexed by output row)")
-        if slot_weights_N.dtype != torch.float32 or slot_weights_N.numel() != Nr or not slot_weights_N.is_contiguous():
-            raise ValueError(f"slot_weights_N: expected {Nr} contiguous fp32 weights, got {slot_weights_N.dtype} "
-                             f"{tuple(slot_weights_N.shape)}")
+    E, N, K, Nr = check_grouped_operands(a_q, a_s, b_q, b_s, offsets_E1, out_dtype, sorted_slot_N, out_slot_N,
+                                         slot_weights_N)
     bm, bn = _block_sizes(block_m, block_n)
     out = torch.empty((Nr, N), device=a_q.device, dtype=out_dtype)
     n_tiles = max_tiles(Nr, E, bm)

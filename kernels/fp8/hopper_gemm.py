@@ -95,6 +95,24 @@ def _producer(a_desc, b_desc, as_ptr, bs_ptr, a_bufs, b_bufs, as_bufs, bs_bufs, 
 
 
 @gluon.jit
+def allocate_ring(a_desc, b_desc, STAGES: gl.constexpr, B_SCALES: gl.constexpr):
+    """The ring of stages the producer fills and the two consumer warpgroups drain: A and B tiles,
+    A's row scales and ``B_SCALES`` B scales per stage, and the barriers (``ready``: the stage's
+    copies landed; ``empty``: both consumer warpgroups are done with it)."""
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    as_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, a_desc.block_type.shape[0]], flat)
+    bs_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, B_SCALES], flat)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    return a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty
+
+
+@gluon.jit
 def _stage_scales(as_bufs, bs_bufs, s, ROW0: gl.constexpr, rows_layout: gl.constexpr):
     """a_s[row, kb] * b_s[col tile, kb] for this warpgroup's 64 rows, from stage s."""
     sa = as_bufs.index(s).slice(ROW0, 64).load(rows_layout)
@@ -164,17 +182,8 @@ def _fp8_gemm_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, M, N, K, STAGES: gl
                      SCALED: gl.constexpr):
     """Three partitions: a one-warp TMA producer and two 4-warp consumer warpgroups, each owning half
     of every tile's rows; only a partition's own warps synchronize with each other."""
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    as_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, a_desc.block_type.shape[0]], flat)
-    bs_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 4], flat)
+    a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty = allocate_ring(a_desc, b_desc, STAGES, 4)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
     gl.warp_specialize([
         (_consume_tiles, (c_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, c_smem.index(0), M, N, K, GROUP_M,
                           0, SCALED)),

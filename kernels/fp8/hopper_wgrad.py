@@ -29,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from kernels.fp8.blockwise import TILE, group_tile_offsets
 from kernels.fp8.grouped_gemm import check_wgrad_operands
 from kernels.fp8.hopper_gemm import (CONSUMER_REGS, MAXNREG, PRODUCER_REGS, STAGES, _descriptor, _tile_coords,
-                                     load_stage)
+                                     allocate_ring, load_stage)
 
 
 @gluon.jit
@@ -123,17 +123,8 @@ def _wgrad_worker(a_desc, b_desc, c_desc, as_ptr, bs_ptr, tile_offs_ptr, a_bufs,
 @gluon.jit
 def _fp8_wgrad_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, tile_offs_ptr, E, M, NCOL, SA_R, SA_T, SB_R, SB_T,
                       STAGES: gl.constexpr, GROUP_M: gl.constexpr):
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    as_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, a_desc.block_type.shape[0]], flat)
-    bs_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, b_desc.block_type.shape[0]], flat)
+    a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty = allocate_ring(a_desc, b_desc, STAGES, b_desc.block_type.shape[0])
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
     gl.warp_specialize([
         (_wgrad_consumer, (c_desc, tile_offs_ptr, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, c_smem.index(0), E,
                            M, NCOL, GROUP_M, 0)),
