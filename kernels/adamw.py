@@ -144,7 +144,7 @@ class TritonAdamW(torch.optim.AdamW):
                     raise TypeError(f"TritonAdamW needs contiguous float32 parameters (local shards), got {p.dtype} "
                                     f"{tuple(local.shape)} contiguous={local.is_contiguous()}")
         self._shadows: dict[int, torch.Tensor] = {}  # id(parameter) -> its bf16 shadow
-        self._grad_from_shadow: set[int] = set()  # ids of parameters whose gradient is their shadow's .grad
+        self._carriers: dict[int, torch.Tensor] = {}  # id(parameter) -> the tensor whose .grad is its gradient
 
     def attach_shadow(self, param: torch.Tensor, shadow: torch.Tensor, grad_from_shadow: bool = False) -> None:
         """Have every step also write ``param.to(bfloat16)`` into ``shadow`` (contiguous bf16, the
@@ -164,30 +164,42 @@ class TritonAdamW(torch.optim.AdamW):
                              f"on {shadow.device}")
         self._shadows[id(param)] = shadow
         if grad_from_shadow:
-            self._grad_from_shadow.add(id(param))
+            self._carriers[id(param)] = shadow
+
+    def attach_grad_carrier(self, param: torch.Tensor, carrier: torch.Tensor) -> None:
+        """The parameter's gradient is ``carrier.grad``: the model computed with ``carrier`` (a leaf
+        of the parameter's shape, bf16, e.g. without storage when its values are never read, as the
+        FP8 experts' carriers) in its place. :meth:`zero_grad` clears it with the parameters'."""
+        if not any(param is q for g in self.param_groups for q in g["params"]):
+            raise ValueError(f"attach_grad_carrier: the parameter {tuple(param.shape)} is not one this optimizer "
+                             "updates")
+        if carrier.shape != param.shape or carrier.device != param.device or not carrier.requires_grad:
+            raise ValueError(f"attach_grad_carrier: the carrier must be a leaf that requires grad, of shape "
+                             f"{tuple(param.shape)} on {param.device}; got {tuple(carrier.shape)} on {carrier.device}, "
+                             f"requires_grad={carrier.requires_grad}")
+        self._carriers[id(param)] = carrier
 
     def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
-        if id(p) not in self._grad_from_shadow:
+        if id(p) not in self._carriers:
             return p.grad
-        shadow_grad = self._shadows[id(p)].grad
+        carried = self._carriers[id(p)].grad
         if p.grad is None:
-            return shadow_grad
-        if shadow_grad is not None:
-            raise RuntimeError(f"TritonAdamW: the parameter {tuple(p.shape)} takes its gradient from its bf16 shadow "
-                               "but has a .grad of its own too (was it used outside the shadow?)")
+            return carried
+        if carried is not None:
+            raise RuntimeError(f"TritonAdamW: the parameter {tuple(p.shape)} takes its gradient from a carrier "
+                               "but has a .grad of its own too (was it used outside the carrier?)")
         # A gradient set on the parameter itself (torch.distributed.checkpoint's state initialisation
         # sets zeros and steps with lr 0).
         return p.grad
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
-        for i in self._grad_from_shadow:
-            shadow = self._shadows[i]
-            if shadow.grad is not None:
+        for carrier in self._carriers.values():
+            if carrier.grad is not None:
                 if set_to_none:
-                    shadow.grad = None
+                    carrier.grad = None
                 else:
-                    shadow.grad.zero_()
+                    carrier.grad.zero_()
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -104,8 +104,7 @@ def test_trainer_resume_with_shadows(tmp_path):
 
 def test_trainer_shadows_beside_fp8_projections(tmp_path):
     """With FP8 projections the converted linears keep their float32 gradients (they are not plain
-    nn.Linear) and only the output head is shadowed; the steps follow the run without shadows.
-    (FP8 expert copies carry no gradients: attach_to_optimizer takes bf16 copies only.)"""
+    nn.Linear) and only the output head is shadowed; the steps follow the run without shadows."""
     fp8 = ["--quantize.linear", "fp8_rowwise"]
     trainer, got = _losses(tmp_path, *fp8, steps=2)
     assert [m is trainer.model.output for m in trainer.shadowed_linears] == [True]

@@ -10,7 +10,7 @@ bf16 (the kernels round their fp32 accumulators to nearest either way).
 import pytest
 import torch
 
-from components.compute_weights import MODES, ComputeWeights, expert_mode
+from components.compute_weights import EXPERT_WEIGHTS, MODES, ComputeWeights, expert_mode
 
 triton = pytest.importorskip("triton")
 from kernels.moe.mega_fp8 import MegaFP8Options, mega_moe_fp8  # noqa: E402
@@ -128,6 +128,50 @@ def test_fp8_cache_trains_like_per_call_quantization(tmp_path, more):
     _, plain_losses, _ = _train(tmp_path, extra + ["--moe.cache_expert_weights", "false"], steps=2)
     assert losses[0] == plain_losses[0]
     assert losses == pytest.approx(plain_losses, rel=1e-4)
+
+
+def _expert_grads_each_step(trainer, steps: int) -> tuple[list[float], list[list[torch.Tensor]]]:
+    """Losses, and the first layer's expert gradients as the optimizer reads them at each step (the
+    carriers' ``.grad`` where there are carriers, else the parameters')."""
+    experts = trainer.model.layers["0"].moe.experts
+    seen, step = [], trainer.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        copies = experts.compute_weights
+        carriers = copies.grad_carriers if copies is not None else []
+        seen.append([t.grad.clone() for t in carriers] or [getattr(experts, n).grad.clone() for n in EXPERT_WEIGHTS])
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = recording_step
+    return run_losses(trainer, steps), seen
+
+
+def test_fp8_cache_carries_bf16_gradients(tmp_path):
+    """With the Triton AdamW in one process the FP8 experts' gradients land on bf16 carriers without
+    storage (the parameters get none): bitwise the bf16 gradients the per-call path writes before its
+    cast to float32, compiled under full AC (the carriers reach the op through the traced graph). The
+    losses follow that run closely, not bitwise: the clipping norm sums the bf16
+    gradients in another group than the float32 ones (a last-bit difference in the clip factor)."""
+    extra = ["--moe.backend", "mega", "--quantize.moe", "fp8_blockwise", "--model.n_layers", "1",
+             "--training.seq_len", "16", "--training.local_batch_size", "1", "--optimizer.implementation", "triton",
+             "--compile.enable", "--compile.backend", "aot_eager", "--activation_checkpoint.mode", "full"]
+    cached = make_trainer(tmp_path / "cached", *extra, base=_BASE)
+    experts = cached.model.layers["0"].moe.experts
+    copies = experts.compute_weights
+    assert copies.mode == "fp8_blockwise" and copies.carries_grads
+    carriers = copies.grad_carriers
+    assert [tuple(c.shape) for c in carriers] == [tuple(getattr(experts, n).shape) for n in copies.params]
+    assert all(c.dtype == torch.bfloat16 and c.stride() == (0, 0, 0) and c.requires_grad for c in carriers)
+    losses, grads = _expert_grads_each_step(cached, 2)
+    assert all(getattr(experts, n).grad is None for n in copies.params)
+    assert all(g.dtype == torch.bfloat16 and g.is_contiguous() for g in grads[0])
+    assert not any(k.endswith("_grad_carrier") for k in cached.model.state_dict())
+    plain = make_trainer(tmp_path / "plain", *extra, "--moe.cache_expert_weights", "false", base=_BASE)
+    plain_losses, plain_grads = _expert_grads_each_step(plain, 2)
+    for name, got, want in zip(EXPERT_WEIGHTS, grads[0], plain_grads[0]):
+        assert want.dtype == torch.float32 and torch.equal(got, want.bfloat16()) and torch.equal(got.float(), want), name
+    assert losses[0] == plain_losses[0]
+    assert losses == pytest.approx(plain_losses, rel=1e-5)
 
 
 @pytest.mark.parametrize("mode", MODES)

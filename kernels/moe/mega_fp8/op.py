@@ -211,9 +211,10 @@ def mega_moe_fp8(
         x_TD.contiguous(),
         topk_ids_TK.contiguous(),
         topk_weights_TK.to(torch.float32).contiguous(),
-        w1_EFD.contiguous(),
-        w3_EFD.contiguous(),
-        w2_EDF.contiguous(),
+        # With the e4m3 copies the weights are read for their shapes and dtypes only: a gradient
+        # carrier without storage (stride 0) must not be made contiguous, which would fill it.
+        *((w1_EFD, w3_EFD, w2_EDF) if quantized is not None else (w1_EFD.contiguous(), w3_EFD.contiguous(),
+                                                                   w2_EDF.contiguous())),
         opts.wgrad,
         opts.pow2_scales,
         opts.engine,
