@@ -112,7 +112,6 @@ class ComputeWeights(nn.Module):
                 made = self._quantize(*self._sources(owner)).tensors()
             for name, t in zip(self._names, made):
                 self.register_buffer(name, t, persistent=False)
-        self._shapes = tuple(tuple(w.shape) for w in self._sources(owner))
         self._versions: tuple[int, ...] | None = self.versions(owner)  # None: marked stale
         self.carries_grads = False  # see enable_grad_carriers
 
@@ -141,10 +140,10 @@ class ComputeWeights(nn.Module):
         optimizer that reads them (TritonAdamW: ``attach_shadow(grad_from_shadow=True)`` or
         ``attach_grad_carrier``) may be used then: the parameters themselves get no gradient."""
         if self.mode == "fp8_blockwise":
-            device = getattr(self, self._names[0]).device
-            for name, shape in zip(self.params, self._shapes):
-                one = torch.zeros((), dtype=torch.bfloat16, device=device)
-                self.register_buffer(f"{name}_grad_carrier", one.expand(shape).requires_grad_(True), persistent=False)
+            for name in self.params:
+                q = getattr(self, f"{name}_q")  # the e4m3 copy has the weight's shape
+                one = torch.zeros((), dtype=torch.bfloat16, device=q.device)
+                self.register_buffer(f"{name}_grad_carrier", one.expand(q.shape).requires_grad_(True), persistent=False)
         else:
             for name in self._names:
                 getattr(self, name).requires_grad_(True)

@@ -146,14 +146,17 @@ class TritonAdamW(torch.optim.AdamW):
         self._shadows: dict[int, torch.Tensor] = {}  # id(parameter) -> its bf16 shadow
         self._carriers: dict[int, torch.Tensor] = {}  # id(parameter) -> the tensor whose .grad is its gradient
 
+    def _check_updates(self, who: str, param: torch.Tensor) -> None:
+        if not any(param is q for g in self.param_groups for q in g["params"]):
+            raise ValueError(f"{who}: the parameter {tuple(param.shape)} is not one this optimizer updates")
+
     def attach_shadow(self, param: torch.Tensor, shadow: torch.Tensor, grad_from_shadow: bool = False) -> None:
         """Have every step also write ``param.to(bfloat16)`` into ``shadow`` (contiguous bf16, the
         parameter's shape and device). A step that skips the parameter (no gradient) leaves both as
         they were, so the shadow stays the parameter's cast. ``grad_from_shadow``: the parameter's
         gradient is ``shadow.grad`` (bf16; the model computed with the shadow as a leaf), which
         :meth:`zero_grad` clears with the parameters' gradients."""
-        if not any(param is q for g in self.param_groups for q in g["params"]):
-            raise ValueError(f"attach_shadow: the parameter {tuple(param.shape)} is not one this optimizer updates")
+        self._check_updates("attach_shadow", param)
         if type(param.data) is not torch.Tensor:
             raise TypeError(f"attach_shadow: shadows are for plain tensors (one process); got a "
                             f"{type(param.data).__name__} parameter")
@@ -170,9 +173,7 @@ class TritonAdamW(torch.optim.AdamW):
         """The parameter's gradient is ``carrier.grad``: the model computed with ``carrier`` (a leaf
         of the parameter's shape, bf16, e.g. without storage when its values are never read, as the
         FP8 experts' carriers) in its place. :meth:`zero_grad` clears it with the parameters'."""
-        if not any(param is q for g in self.param_groups for q in g["params"]):
-            raise ValueError(f"attach_grad_carrier: the parameter {tuple(param.shape)} is not one this optimizer "
-                             "updates")
+        self._check_updates("attach_grad_carrier", param)
         if carrier.shape != param.shape or carrier.device != param.device or not carrier.requires_grad:
             raise ValueError(f"attach_grad_carrier: the carrier must be a leaf that requires grad, of shape "
                              f"{tuple(param.shape)} on {param.device}; got {tuple(carrier.shape)} on {carrier.device}, "
