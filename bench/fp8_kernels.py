@@ -129,10 +129,11 @@ def time_moe_ops(T=16384, top_k=8, E=128, shapes=SHAPES, iters=20, device="cuda"
                  breakdown: tuple[str, ...] = ()) -> list[str]:
     """Median ms of the whole MoE op, forward and forward + backward: bf16 ``mega``, ``mega_fp8``
     quantizing its weights per call, and ``mega_fp8`` as the trainer runs it with the expert weight
-    cache (``cached``: e4m3 copies made beforehand, float32 master weights as gradient carriers,
-    their gradients written in float32); the cached op also with ``wgrad = "bf16"`` and with every
-    GEMM on the Triton engine (the default ``auto`` takes the Gluon kernels on an sm_90 GPU). Each row's
-    ratio is bf16 ``mega`` / it.
+    cache (``cached``: e4m3 copies made beforehand, bf16 gradient carriers without storage as the
+    weights, as ``components/compute_weights.py`` passes them with the Triton AdamW); the cached op
+    also with float32 master weights as the carriers (gradients written in float32: the trainer
+    without that optimizer), with ``wgrad = "bf16"`` and with every GEMM on the Triton engine (the
+    default ``auto`` takes the Gluon kernels on an sm_90 GPU). Each row's ratio is bf16 ``mega`` / it.
 
     ``timer(fn, iters)`` returns ms (default: CUDA events, :func:`bench.timing.time_ms`); the tests run
     this at a tiny size on CPU with a wall clock to exercise the code paths. ``breakdown``: labels of
@@ -148,13 +149,15 @@ def time_moe_ops(T=16384, top_k=8, E=128, shapes=SHAPES, iters=20, device="cuda"
         quantized = QuantizedExpertWeights.quantize(w1, w3, w2)
         cached = functools.partial(get_moe_backend("mega_fp8"), quantized=quantized)
         master = (w1.float(), w3.float(), w2.float())
+        carriers = tuple(torch.zeros((), device=device, dtype=torch.bfloat16).expand(w.shape) for w in (w1, w3, w2))
         # label -> (op, weights)
         variants = {
             "mega (bf16)": (get_moe_backend("mega"), (w1, w3, w2)),
             "mega_fp8, weights quantized per call": (get_moe_backend("mega_fp8"), (w1, w3, w2)),
-            "mega_fp8 cached": (cached, master),
-            "  + bf16 wgrad": (functools.partial(cached, options=MegaFP8Options(wgrad="bf16")), master),
-            "  engine triton": (functools.partial(cached, options=MegaFP8Options(engine="triton")), master),
+            "mega_fp8 cached": (cached, carriers),
+            "  fp32 master weights": (cached, master),
+            "  + bf16 wgrad": (functools.partial(cached, options=MegaFP8Options(wgrad="bf16")), carriers),
+            "  engine triton": (functools.partial(cached, options=MegaFP8Options(engine="triton")), carriers),
         }
         flops = 2 * T * top_k * D * F * 3  # forward: gate, up, down
         ms = {}

@@ -231,8 +231,10 @@ def test_grouped_rejects_what_it_cannot_run():
     with pytest.raises(ValueError, match="multiple of 16"):
         G.fp8_grouped_gemm_ws(a_q, a_s, b_q, b_s, offs)
     a_q, a_s, b_q, b_s, offs, slot, w = make_grouped_inputs([200, 10], 256, 256, generator=torch.Generator().manual_seed(0))
-    with pytest.raises(ValueError, match="tiles"):
-        G.fp8_grouped_gemm_ws(a_q, a_s, b_q, b_s, offs, tiles=torch.zeros(2, 3, dtype=torch.int32, device="cuda"))
+    for tiles in (torch.zeros(2, 4, dtype=torch.int32, device="cuda"),  # wrong size
+                  torch.zeros(2, 3, dtype=torch.int32, device="cuda")):  # right size, no tile count after it
+        with pytest.raises(ValueError, match="tile_table"):
+            G.fp8_grouped_gemm_ws(a_q, a_s, b_q, b_s, offs, tiles=tiles)
     with pytest.raises(ValueError, match="slot_weights_N needs out_slot_N"):
         G.fp8_grouped_gemm_ws(a_q, a_s, b_q, b_s, offs, slot_weights_N=w)
 

@@ -328,10 +328,10 @@ def test_bench_code_paths():
     rows = fp8_kernels.time_moe_ops(T=8, top_k=2, E=2, shapes={"tiny": (128, 128)}, iters=1,
                                     device=DEVICE, timer=wall_ms if not _HAS_CUDA else None,
                                     breakdown=("mega_fp8 cached",))
-    assert "cached" in rows[3] and all("TFLOP/s" in r for r in rows[1:6]), rows
+    assert "cached" in rows[3] and "master" in rows[4] and all("TFLOP/s" in r for r in rows[1:7]), rows
     # The kernel-by-kernel table: a title with the total, a header, then one row per kernel.
-    assert rows[6].startswith("tiny mega_fp8 cached, fwd+bwd: ") and "ms of kernels per call" in rows[6], rows[6:]
-    assert len(rows) > 8 and all(float(r.split()[0]) >= 0 for r in rows[8:]), rows[6:]
+    assert rows[7].startswith("tiny mega_fp8 cached, fwd+bwd: ") and "ms of kernels per call" in rows[7], rows[7:]
+    assert len(rows) > 9 and all(float(r.split()[0]) >= 0 for r in rows[9:]), rows[7:]
 
 
 @pytest.mark.skipif(_HAS_CUDA, reason="the GPU runs the real sweep (python -m bench.fp8_kernels --sweep)")
@@ -353,4 +353,48 @@ def test_bench_sweep_code_paths():
 def test_gpu_30b_shape(engine):
     """``auto`` runs the weight gradients on the Gluon engine on an sm_90 GPU."""
     errors = _check(2048, 8, 128, 2048, 768, "random", engine=engine)
+    assert errors["y"] < 0.07, errors
+
+
+def _count_gluon_grouped_calls(monkeypatch) -> list:
+    """Counts the op's calls of the Gluon M-grouped kernel (``forward.grouped_gemm`` imports it at
+    each call, so the spy on the module attribute sees them)."""
+    from kernels.fp8 import hopper_grouped
+
+    calls, real = [], hopper_grouped.fp8_grouped_gemm_ws
+
+    def spy(a_q, *args, **kwargs):
+        calls.append(tuple(a_q.shape))
+        return real(a_q, *args, **kwargs)
+
+    monkeypatch.setattr(hopper_grouped, "fp8_grouped_gemm_ws", spy)
+    return calls
+
+
+@pytest.mark.skipif(not (_HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("T,K,E,D,F,kind", [
+    (300, 8, 8, 256, 128, "random"),
+    (129, 1, 4, 256, 256, "one_expert"),
+    (77, 2, 8, 208, 192, "empty_expert"),  # partial K blocks, TMA rows of 208 / 192 bytes
+    (200, 4, 8, 256, 128, "empty_slots"),
+])
+def test_gpu_gluon_grouped_gemms(T, K, E, D, F, kind, monkeypatch):
+    """The down, dX and dA' GEMMs on the Gluon engine at every size (thresholds lowered to 0): the
+    whole op against both oracles with awkward routings, and the kernel really ran three times."""
+    from kernels.moe.mega_fp8 import forward as Fw
+
+    monkeypatch.setattr(Fw, "GLUON_MIN_K", 0)
+    monkeypatch.setattr(B, "GLUON_DA_MIN_D", 0)
+    calls = _count_gluon_grouped_calls(monkeypatch)
+    _check(T, K, E, D, F, kind, engine="gluon")
+    assert len(calls) == 3, calls
+
+
+@pytest.mark.skipif(not (_HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)), reason="needs an sm_90 GPU")
+def test_gpu_235b_width(monkeypatch):
+    """At the Qwen3-235B widths (D 4096, F 1536) ``auto`` takes the Gluon kernel for all three
+    M-grouped GEMMs with their default thresholds; the op stays within FP8 error."""
+    calls = _count_gluon_grouped_calls(monkeypatch)
+    errors = _check(512, 8, 16, 4096, 1536, "random", engine="auto")
+    assert len(calls) == 3, calls
     assert errors["y"] < 0.07, errors

@@ -187,9 +187,11 @@ def fp8_grouped_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor,
         return out.zero_()
     if tiles is None:
         tiles = tile_table(offsets_E1, Nr, BLOCK_M)
-    elif tuple(tiles.shape) != (2, n_tiles):
-        raise ValueError(f"tiles has shape {tuple(tiles.shape)}; 128-row tiles over {Nr} rows need (2, {n_tiles}): "
-                         f"tile_table(offsets_E1, {Nr}, 128)")
+    elif (tuple(tiles.shape) != (2, n_tiles) or not tiles.is_contiguous()
+          or tiles.untyped_storage().nbytes() < (tiles.storage_offset() + 2 * n_tiles + 1) * 4):
+        # The kernel also reads the real tile count stored right after the table.
+        raise ValueError(f"tiles (shape {tuple(tiles.shape)}) is not a table of 128-row tiles over {Nr} rows; "
+                         f"pass tile_table(offsets_E1, {Nr}, 128), which also stores the tile count after it")
     a_desc = _descriptor(a_q, [BLOCK_M, TILE], gl.float8e4nv)
     b_desc = _descriptor(b_q.view(E * N, K), [128, TILE], gl.float8e4nv)
     sms = torch.cuda.get_device_properties(a_q.device).multi_processor_count

@@ -50,10 +50,15 @@ from kernels.moe.combine import sum_over_k, valid_slots
 from kernels.triton_utils import cast_out, tile_rows
 from kernels.moe.mega.configs import get_configs
 from kernels.moe.routing import max_tiles, tile_table
-from kernels.moe.mega_fp8.forward import gemm_blocks
+from kernels.moe.mega_fp8.forward import gemm_blocks, grouped_gemm
 from kernels.moe.mega_fp8.weights import QuantizedExpertWeights
 
 WGRAD_PRECISIONS = ("fp8", "bf16")
+
+# Model widths D from which dA' runs on the Gluon engine: its rows of dy must then be gathered into
+# expert order first (the Gluon kernel reads A by TMA, in order), a pass of ~N x D bytes written
+# and read that the faster GEMM repays only at the larger widths (BENCHMARKS.md).
+GLUON_DA_MIN_D = 4096
 
 # Rows per program of the dH epilogue kernel (memory-bound; ~6 fp32 tiles of 128 columns live).
 DH_EPILOGUE_BLOCK_M = 32
@@ -172,6 +177,7 @@ def dh_swiglu(
     offsets_E1: torch.Tensor,
     store_sa: bool = True,
     pow2_scales: bool = False,
+    engine: str = "triton",
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor | None]:
     """FP8 dA' = dy_gathered @ w2[e] with the SwiGLU backward and the routing-weight grad as epilogue.
 
@@ -181,6 +187,7 @@ def dh_swiglu(
             and block scales transposed (``q.mT``, ``s.mT``, contiguous).
         h_N2F: (N, 2F) [gate | up] from the forward; topk_weights_TK: (T, K) fp32.
         sorted_slot_N: (N,) int32, offsets_E1: (E+1,) int32 (``sort_by_expert``).
+        engine: "gluon" or "triton" for the dA' GEMM (Gluon from D = :data:`GLUON_DA_MIN_D`).
     Returns:
         dh_N2F: (N, 2F) [dgate | dup] in h's dtype, expert-sorted rows.
         (dh_q, dh_s): (N, 2 * FP) e4m3 and (N, 2 * ceil(F/128)) fp32, FP = F rounded up to 128:
@@ -202,9 +209,17 @@ def dh_swiglu(
     ds_part_PN = torch.empty((FB, N), device=dev, dtype=torch.float32)
     if N == 0:
         return dh_N2F, (dh_q, dh_s), ds_part_PN.sum(0).view(T, K), sa_NF
-    gbm, _ = gemm_blocks()
-    da_NF = fp8_grouped_gemm(dy_q, dy_s, w2t_q, w2t_s, offsets_E1, sorted_slot_N, K, out_dtype=torch.float32,
-                             block_m=gbm, block_n=TILE)
+    D = dy_q.shape[1]
+    if engine == "gluon" and D >= GLUON_DA_MIN_D:
+        # dy's rows in expert order (e4m3 moved as bytes); rows past the experts' are never read.
+        tok_N = torch.div(sorted_slot_N, K, rounding_mode="floor")
+        dyg_q = dy_q.view(torch.uint8).index_select(0, tok_N).view(FP8)
+        da_NF = grouped_gemm(dyg_q, dy_s.index_select(0, tok_N), w2t_q, w2t_s, offsets_E1, torch.float32, engine)
+        del dyg_q
+    else:
+        gbm, _ = gemm_blocks()
+        da_NF = fp8_grouped_gemm(dy_q, dy_s, w2t_q, w2t_s, offsets_E1, sorted_slot_N, K, out_dtype=torch.float32,
+                                 block_m=gbm, block_n=TILE)
     ebm = 16 if interpreting() else DH_EPILOGUE_BLOCK_M
     e_tiles = max_tiles(N, E, ebm)
     _dh_from_da_kernel[(e_tiles * FB,)](
@@ -288,7 +303,8 @@ def moe_fp8_backward(
     engine: str = "triton",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the FP8 backward. ``engine`` ("gluon" or "triton", resolved by the caller:
-    ``kernels/fp8/engine.py``) runs the weight-gradient GEMMs. Inputs contiguous, dy/x bf16, routing weights fp32; the weights
+    ``kernels/fp8/engine.py``) runs the weight-gradient GEMMs, the dX GEMM and dA' (see
+    :func:`grouped_gemm`, :data:`GLUON_DA_MIN_D`). Inputs contiguous, dy/x bf16, routing weights fp32; the weights
     bf16, or of any float dtype when ``quantized`` holds their e4m3 copies (then only their shapes
     and dtypes are read).
     Empty slots (expert id -1) get zero gradients; an expert with no rows gets zero weight grads.
@@ -309,7 +325,7 @@ def moe_fp8_backward(
     tiles128 = tile_table(offsets_E1, N, TILE)
     dh_N2F, (dh_q, dh_s), ds_TK, sa_NF = dh_swiglu(
         dy_q, dy_s, w2t_q, w2t_s, h_N2F, topk_weights_TK, sorted_slot_N, offsets_E1,
-        store_sa=True, pow2_scales=pow2_scales,
+        store_sa=True, pow2_scales=pow2_scales, engine=engine,
     )  # fmt: skip
     del dy_q, dy_s, w2t_q, w2t_s
 
@@ -317,11 +333,7 @@ def moe_fp8_backward(
         w13t_q, w13t_s = dx_weight(w1_EFD, w3_EFD, pow2_scales)
     else:
         w13t_q, w13t_s = quantized.w13t_q, quantized.w13t_s
-    bm, bn = gemm_blocks()
-    dxbuf_ND = fp8_grouped_gemm(
-        dh_q, dh_s, w13t_q, w13t_s, offsets_E1, out_dtype=x_TD.dtype, tiles=tile_table(offsets_E1, N, bm),
-        block_m=bm, block_n=bn, out_slot_N=sorted_slot_N,
-    )  # fmt: skip
+    dxbuf_ND = grouped_gemm(dh_q, dh_s, w13t_q, w13t_s, offsets_E1, x_TD.dtype, engine, out_slot_N=sorted_slot_N)
     del dh_q, dh_s, w13t_q, w13t_s
     # Empty slots' rows lie past every expert's tiles: skipped in the sum, zeroed in ds.
     valid_N = valid_slots(sorted_slot_N, offsets_E1)

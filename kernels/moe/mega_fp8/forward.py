@@ -38,6 +38,40 @@ def gemm_blocks() -> tuple[int, int]:
     return (16, 128) if interpreting() else (64, 128)
 
 
+# Reduction sizes from which the M-grouped GEMMs over expert-sorted rows run the Gluon kernel when
+# the engine is "gluon": at K 768 (the 30B down GEMM) its 128 x 128 tiles' per-tile prologue is
+# not amortized and the Triton kernel is as fast; from K 1536 it is faster (BENCHMARKS.md).
+GLUON_MIN_K = 1024
+
+
+def grouped_gemm(
+    a_q: torch.Tensor,
+    a_s: torch.Tensor,
+    b_q: torch.Tensor,
+    b_s: torch.Tensor,
+    offsets_E1: torch.Tensor,
+    out_dtype: torch.dtype,
+    engine: str,
+    tiles: torch.Tensor | None = None,
+    out_slot_N: torch.Tensor | None = None,
+    slot_weights_N: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`fp8_grouped_gemm` over rows of A already in expert-sorted order, on ``engine``
+    ("gluon" or "triton"): the warp-specialized kernel (``kernels/fp8/hopper_grouped.py``) where it
+    takes K and K >= :data:`GLUON_MIN_K`, else the Triton kernel at :func:`gemm_blocks` (``tiles``:
+    its tile table, or None to build it)."""
+    K = a_q.shape[1]
+    if engine == "gluon" and K >= GLUON_MIN_K:
+        from kernels.fp8.hopper_grouped import fp8_grouped_gemm_ws, grouped_supported  # Gluon: where it runs
+
+        if grouped_supported(K):
+            return fp8_grouped_gemm_ws(a_q, a_s, b_q, b_s, offsets_E1, out_dtype, out_slot_N=out_slot_N,
+                                       slot_weights_N=slot_weights_N)
+    bm, bn = gemm_blocks()
+    return fp8_grouped_gemm(a_q, a_s, b_q, b_s, offsets_E1, out_dtype=out_dtype, tiles=tiles, block_m=bm,
+                            block_n=bn, out_slot_N=out_slot_N, slot_weights_N=slot_weights_N)
+
+
 def gate_up_block_m() -> int:
     """block_m of the gate/up GEMM (two accumulators): 128 on the GPU, faster than 64 rows at the
     30B shape once the scales are prefetched and promoted with one FMA; its own tile table then.
@@ -54,9 +88,12 @@ def moe_fp8_forward(
     w2_EDF: torch.Tensor,
     pow2_scales: bool = False,
     quantized: QuantizedExpertWeights | None = None,
+    engine: str = "triton",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the FP8 forward. x and the weights bf16, contiguous; routing weights fp32. With
     ``quantized`` (the weights' e4m3 copies) the weights are not read and may have any dtype.
+    ``engine`` ("gluon" or "triton", resolved by the caller: ``kernels/fp8/engine.py``) runs the
+    down GEMM (:func:`grouped_gemm`).
 
     Returns:
         y_TD: (T, D) bf16.
@@ -66,7 +103,7 @@ def moe_fp8_forward(
     T, K = topk_ids_TK.shape
     E = w1_EFD.shape[0]
     sorted_slot_N, offsets_E1 = sort_by_expert(topk_ids_TK, E)
-    bm, bn = gemm_blocks()
+    bm, _ = gemm_blocks()
     tiles = tile_table(offsets_E1, T * K, bm)
     bm_gu = gate_up_block_m()
     tiles_gu = tiles if bm_gu == bm else tile_table(offsets_E1, T * K, bm_gu)
@@ -82,10 +119,8 @@ def moe_fp8_forward(
     )  # fmt: skip
     del x_q, x_s, w1_q, w1_s, w3_q, w3_s
     w2_q, w2_s = quantize_weight(w2_EDF, pow2_scales) if quantized is None else (quantized.w2_q, quantized.w2_s)
-    ybuf_ND = fp8_grouped_gemm(
-        a_q, a_s, w2_q, w2_s, offsets_E1, out_dtype=x_TD.dtype, tiles=tiles, block_m=bm, block_n=bn,
-        out_slot_N=sorted_slot_N, slot_weights_N=topk_weights_TK.view(-1),
-    )  # fmt: skip
+    ybuf_ND = grouped_gemm(a_q, a_s, w2_q, w2_s, offsets_E1, x_TD.dtype, engine, tiles, out_slot_N=sorted_slot_N,
+                           slot_weights_N=topk_weights_TK.view(-1))
     y_TD = sum_over_k(ybuf_ND, T, K, valid_slots(sorted_slot_N, offsets_E1))
     return y_TD, h_N2F, sorted_slot_N, offsets_E1
 

@@ -54,7 +54,9 @@ class MegaFP8Options:
     pow2_scales: round every scale up to a power of two (rescaling is exact; a tile's largest
         value then maps into [224, 448] instead of to 448).
     engine: "auto" (default), "gluon" or "triton": the kernels of the FP8 GEMMs that have a
-        warp-specialized Gluon version (``kernels/fp8/engine.py``; today the weight gradients).
+        warp-specialized Gluon version (``kernels/fp8/engine.py``): the weight gradients, and the
+        down, dX and dA' GEMMs at the sizes where they are faster (``forward.grouped_gemm``,
+        ``backward.GLUON_DA_MIN_D``); the gate/up GEMM runs on Triton.
     """
 
     wgrad: str = "fp8"
@@ -85,7 +87,7 @@ def _forward_op(
     ``wq`` the weights' e4m3 copies (``QuantizedExpertWeights.tensors()``) or empty."""
     _check_device(x_TD)
     return moe_fp8_forward(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, pow2_scales,
-                           _quantized(wq, pow2_scales))
+                           _quantized(wq, pow2_scales), resolve_engine(engine, x_TD.device))
 
 
 def _quantized(wq: list[torch.Tensor], pow2_scales: bool) -> QuantizedExpertWeights | None:
