@@ -379,12 +379,8 @@ def _count_gluon_grouped_calls(monkeypatch) -> list:
     (200, 4, 8, 256, 128, "empty_slots"),
 ])
 def test_gpu_gluon_grouped_gemms(T, K, E, D, F, kind, monkeypatch):
-    """The down, dX and dA' GEMMs on the Gluon engine at every size (thresholds lowered to 0): the
-    whole op against both oracles with awkward routings, and the kernel really ran three times."""
-    from kernels.moe.mega_fp8 import forward as Fw
-
-    monkeypatch.setattr(Fw, "GLUON_MIN_K", 0)
-    monkeypatch.setattr(B, "GLUON_DA_MIN_D", 0)
+    """The down, dX and dA' GEMMs on the Gluon engine: the whole op against both oracles with
+    awkward routings, and the kernel really ran three times."""
     calls = _count_gluon_grouped_calls(monkeypatch)
     _check(T, K, E, D, F, kind, engine="gluon")
     assert len(calls) == 3, calls
@@ -393,7 +389,7 @@ def test_gpu_gluon_grouped_gemms(T, K, E, D, F, kind, monkeypatch):
 @pytest.mark.skipif(not (_HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)), reason="needs an sm_90 GPU")
 def test_gpu_235b_width(monkeypatch):
     """At the Qwen3-235B widths (D 4096, F 1536) ``auto`` takes the Gluon kernel for all three
-    M-grouped GEMMs with their default thresholds; the op stays within FP8 error."""
+    M-grouped GEMMs; the op stays within FP8 error."""
     calls = _count_gluon_grouped_calls(monkeypatch)
     errors = _check(512, 8, 16, 4096, 1536, "random", engine="auto")
     assert len(calls) == 3, calls

@@ -55,11 +55,6 @@ from kernels.moe.mega_fp8.weights import QuantizedExpertWeights
 
 WGRAD_PRECISIONS = ("fp8", "bf16")
 
-# Model widths D from which dA' runs on the Gluon engine: its rows of dy must then be gathered into
-# expert order first (the Gluon kernel reads A by TMA, in order), a pass of ~N x D bytes written
-# and read that the faster GEMM repays only at the larger widths (BENCHMARKS.md).
-GLUON_DA_MIN_D = 4096
-
 # Rows per program of the dH epilogue kernel (memory-bound; ~6 fp32 tiles of 128 columns live).
 DH_EPILOGUE_BLOCK_M = 32
 
@@ -187,7 +182,9 @@ def dh_swiglu(
             and block scales transposed (``q.mT``, ``s.mT``, contiguous).
         h_N2F: (N, 2F) [gate | up] from the forward; topk_weights_TK: (T, K) fp32.
         sorted_slot_N: (N,) int32, offsets_E1: (E+1,) int32 (``sort_by_expert``).
-        engine: "gluon" or "triton" for the dA' GEMM (Gluon from D = :data:`GLUON_DA_MIN_D`).
+        engine: "gluon" or "triton" for the dA' GEMM. Gluon reads A in order (TMA), so dy's rows
+            are first gathered into expert order: ~N x D bytes written and read, which the faster
+            GEMM repays (BENCHMARKS.md).
     Returns:
         dh_N2F: (N, 2F) [dgate | dup] in h's dtype, expert-sorted rows.
         (dh_q, dh_s): (N, 2 * FP) e4m3 and (N, 2 * ceil(F/128)) fp32, FP = F rounded up to 128:
@@ -209,8 +206,7 @@ def dh_swiglu(
     ds_part_PN = torch.empty((FB, N), device=dev, dtype=torch.float32)
     if N == 0:
         return dh_N2F, (dh_q, dh_s), ds_part_PN.sum(0).view(T, K), sa_NF
-    D = dy_q.shape[1]
-    if engine == "gluon" and D >= GLUON_DA_MIN_D:
+    if engine == "gluon":
         # dy's rows in expert order (e4m3 moved as bytes); rows past the experts' are never read.
         tok_N = torch.div(sorted_slot_N, K, rounding_mode="floor")
         dyg_q = dy_q.view(torch.uint8).index_select(0, tok_N).view(FP8)
@@ -304,7 +300,7 @@ def moe_fp8_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the FP8 backward. ``engine`` ("gluon" or "triton", resolved by the caller:
     ``kernels/fp8/engine.py``) runs the weight-gradient GEMMs, the dX GEMM and dA' (see
-    :func:`grouped_gemm`, :data:`GLUON_DA_MIN_D`). Inputs contiguous, dy/x bf16, routing weights fp32; the weights
+    :func:`grouped_gemm`). Inputs contiguous, dy/x bf16, routing weights fp32; the weights
     bf16, or of any float dtype when ``quantized`` holds their e4m3 copies (then only their shapes
     and dtypes are read).
     Empty slots (expert id -1) get zero gradients; an expert with no rows gets zero weight grads.

@@ -38,12 +38,6 @@ def gemm_blocks() -> tuple[int, int]:
     return (16, 128) if interpreting() else (64, 128)
 
 
-# Reduction sizes from which the M-grouped GEMMs over expert-sorted rows run the Gluon kernel when
-# the engine is "gluon": at K 768 (the 30B down GEMM) its 128 x 128 tiles' per-tile prologue is
-# not amortized and the Triton kernel is as fast; from K 1536 it is faster (BENCHMARKS.md).
-GLUON_MIN_K = 1024
-
-
 def grouped_gemm(
     a_q: torch.Tensor,
     a_s: torch.Tensor,
@@ -58,10 +52,10 @@ def grouped_gemm(
 ) -> torch.Tensor:
     """:func:`fp8_grouped_gemm` over rows of A already in expert-sorted order, on ``engine``
     ("gluon" or "triton"): the warp-specialized kernel (``kernels/fp8/hopper_grouped.py``) where it
-    takes K and K >= :data:`GLUON_MIN_K`, else the Triton kernel at :func:`gemm_blocks` (``tiles``:
-    its tile table, or None to build it)."""
+    takes K, else the Triton kernel at :func:`gemm_blocks` (``tiles``: its tile table, or None to
+    build it)."""
     K = a_q.shape[1]
-    if engine == "gluon" and K >= GLUON_MIN_K:
+    if engine == "gluon":
         from kernels.fp8.hopper_grouped import fp8_grouped_gemm_ws, grouped_supported  # Gluon: where it runs
 
         if grouped_supported(K):

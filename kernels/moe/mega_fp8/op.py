@@ -54,9 +54,8 @@ class MegaFP8Options:
     pow2_scales: round every scale up to a power of two (rescaling is exact; a tile's largest
         value then maps into [224, 448] instead of to 448).
     engine: "auto" (default), "gluon" or "triton": the kernels of the FP8 GEMMs that have a
-        warp-specialized Gluon version (``kernels/fp8/engine.py``): the weight gradients, and the
-        down, dX and dA' GEMMs at the sizes where they are faster (``forward.grouped_gemm``,
-        ``backward.GLUON_DA_MIN_D``); the gate/up GEMM runs on Triton.
+        warp-specialized Gluon version (``kernels/fp8/engine.py``): the weight gradients and the
+        down, dX and dA' GEMMs (``forward.grouped_gemm``); the gate/up GEMM runs on Triton.
     """
 
     wgrad: str = "fp8"
