@@ -83,10 +83,18 @@ def check_implemented(cfg: JobConfig) -> None:
         if cfg.quantize.fp8_gemm_engine == "gluon" and (reason := gluon_unavailable(device)):
             raise ConfigError(f"[quantize] fp8_gemm_engine = \"gluon\" cannot run: {reason}; use \"auto\" (Gluon "
                               "where it runs, else Triton) or \"triton\"")
-    if name == "mega_fp8" and on_gpu:
-        # Correct on the H200 (its GPU tests pass) but slower than bf16 there: say so at start.
-        warn("[quantize] moe = \"fp8_blockwise\" (the FP8 mega kernels) is correct but still slower than bf16 "
-             "mega on the H200 (BENCHMARKS.md, docs/fp8.md); for speed use [quantize] moe = \"none\"")
+
+
+def fp8_per_call_note(backend: str, weight_cache_mode: str | None, on_gpu: bool) -> str | None:
+    """Why FP8 experts would run slower than bf16 ones here, or None: without the e4m3 weight cache
+    (expert-FSDP shards, no bf16 compute dtype, or the cache turned off) the op quantizes its
+    weights on every call, which measured slower than the bf16 experts (BENCHMARKS.md)."""
+    if backend != "mega_fp8" or weight_cache_mode == "fp8_blockwise" or not on_gpu:
+        return None
+    return ("[quantize] moe = \"fp8_blockwise\": the experts' e4m3 copies are made on every call here (they are "
+            "cached only where each rank holds whole experts under bf16: one process, or expert parallelism without "
+            "expert-FSDP sharding, with [moe] cache_expert_weights), and per-call quantization is slower than bf16 "
+            "experts (docs/fp8.md); [quantize] moe = \"none\" runs them in bf16")
 
 
 def configure_fp8_experts(model: torch.nn.Module, quantize, device: torch.device, log):
@@ -285,6 +293,10 @@ class Trainer:
         self.shadowed_linears = [m for m in self.model.modules() if isinstance(m, ComputeLinear)]
         self.caches_in_optimizer = 0
         self.has_compute_weights = bool(copies)
+        note = fp8_per_call_note(resolve_moe_backend(cfg.moe.backend, cfg.quantize.moe), self.weight_cache_mode,
+                                 self.device.type == "cuda")
+        if note:
+            warn(note)
         if copies:
             # For eager forwards outside train_step (which refreshes the copies itself); registered
             # before the optimizer's own hook, which marks the copies it wrote current.
