@@ -275,6 +275,7 @@ class Trainer:
         micro-batch per step (accumulation would sum in bf16): the copies carry the gradients, and
         the dense linears get copies too."""
         t = cfg.training
+        backend = resolve_moe_backend(cfg.moe.backend, cfg.quantize.moe)
         self.weight_cache_mode, dtype, whole = None, None, True
         if cfg.moe.cache_expert_weights:
             if not self.distributed:
@@ -283,7 +284,7 @@ class Trainer:
                 ep = next(m.expert_parallel for m in self.model.modules() if getattr(m, "expert_parallel", None))
                 dtype = ep.param_dtype if ep.param_dtype != torch.float32 else None
                 whole = ep.experts_whole
-            self.weight_cache_mode = expert_mode(resolve_moe_backend(cfg.moe.backend, cfg.quantize.moe), dtype, whole)
+            self.weight_cache_mode = expert_mode(backend, dtype, whole)
         self.shadow_weights = (cfg.optimizer.shadow_weights and cfg.optimizer.implementation == "triton"
                                and not self.distributed and t.mixed_precision_param == "bfloat16"
                                and self.grad_accum_steps == 1)
@@ -293,9 +294,7 @@ class Trainer:
         self.shadowed_linears = [m for m in self.model.modules() if isinstance(m, ComputeLinear)]
         self.caches_in_optimizer = 0
         self.has_compute_weights = bool(copies)
-        note = fp8_per_call_note(resolve_moe_backend(cfg.moe.backend, cfg.quantize.moe), self.weight_cache_mode,
-                                 self.device.type == "cuda")
-        if note:
+        if note := fp8_per_call_note(backend, self.weight_cache_mode, self.device.type == "cuda"):
             warn(note)
         if copies:
             # For eager forwards outside train_step (which refreshes the copies itself); registered

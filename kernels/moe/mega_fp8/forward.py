@@ -97,10 +97,8 @@ def moe_fp8_forward(
     T, K = topk_ids_TK.shape
     E = w1_EFD.shape[0]
     sorted_slot_N, offsets_E1 = sort_by_expert(topk_ids_TK, E)
-    bm, _ = gemm_blocks()
-    tiles = tile_table(offsets_E1, T * K, bm)
     bm_gu = gate_up_block_m()
-    tiles_gu = tiles if bm_gu == bm else tile_table(offsets_E1, T * K, bm_gu)
+    tiles_gu = tile_table(offsets_E1, T * K, bm_gu)
     x_q, x_s = quantize_1x128(x_TD, pow2_scales)
     if quantized is None:
         w1_q, w1_s = quantize_weight(w1_EFD, pow2_scales)
@@ -113,7 +111,9 @@ def moe_fp8_forward(
     )  # fmt: skip
     del x_q, x_s, w1_q, w1_s, w3_q, w3_s
     w2_q, w2_s = quantize_weight(w2_EDF, pow2_scales) if quantized is None else (quantized.w2_q, quantized.w2_s)
-    ybuf_ND = grouped_gemm(a_q, a_s, w2_q, w2_s, offsets_E1, x_TD.dtype, engine, tiles, out_slot_N=sorted_slot_N,
+    # The down GEMM's own tile table is built only where its Triton kernel runs at other rows per tile.
+    ybuf_ND = grouped_gemm(a_q, a_s, w2_q, w2_s, offsets_E1, x_TD.dtype, engine,
+                           tiles_gu if bm_gu == gemm_blocks()[0] else None, out_slot_N=sorted_slot_N,
                            slot_weights_N=topk_weights_TK.view(-1))
     y_TD = sum_over_k(ybuf_ND, T, K, valid_slots(sorted_slot_N, offsets_E1))
     return y_TD, h_N2F, sorted_slot_N, offsets_E1
