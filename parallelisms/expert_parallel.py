@@ -50,9 +50,70 @@ class _Layout(NamedTuple):
 
     sorted_slots_N: torch.Tensor  # the (token, k) slots in expert order
     sorted_ids_N: torch.Tensor  # their expert ids
-    keep_N: torch.Tensor  # False where the slot did not fit its destination's C rows
-    send_row_N: torch.Tensor  # the slot's row in the send buffer (``trash`` if dropped)
-    trash: int  # ep x C: the rows of the send buffer
+    keep_N: torch.Tensor  # False where the slot did not fit its destination's C rows (expert order)
+    send_row_N: torch.Tensor  # the slot's row in the send buffer, expert order (``trash`` if dropped)
+    slot_row_TK: torch.Tensor  # the same per slot in (token, k) order
+    row_slot_R: torch.Tensor  # per send-buffer row: the slot it carries, -1 for an empty row
+    trash: int  # ep x C = R: the rows of the send buffer
+
+
+class _GatherSlotRows(torch.autograd.Function):
+    """``x_TD[row_token_R]``: the send buffer's rows from their tokens. Its backward sums each token's
+    K rows by a gather over ``slot_row_TK`` in float32 (at least), where autograd's own would scatter-add the R
+    rows into T (bf16 atomics, every empty row on token 0)."""
+
+    @staticmethod
+    def forward(ctx, x_TD: torch.Tensor, row_token_R: torch.Tensor, slot_row_TK: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(slot_row_TK)
+        return x_TD[row_token_R]
+
+    @staticmethod
+    def backward(ctx, grad_RD: torch.Tensor):
+        (slot_row_TK,) = ctx.saved_tensors
+        R = grad_RD.shape[0]
+        rows_TKD = grad_RD[slot_row_TK.clamp(max=R - 1)].to(_acc(grad_RD.dtype))
+        rows_TKD = torch.where((slot_row_TK < R).unsqueeze(-1), rows_TKD, 0.0)
+        return rows_TKD.sum(dim=1).to(grad_RD.dtype), None, None
+
+
+class _CombineSlotRows(torch.autograd.Function):
+    """y_TD = sum over k of w_TK x ``y_RD[slot_row_TK]`` (dropped slots add nothing), in float32 (at least).
+    Its backward writes each row's gradient from its slot (a gather over ``row_slot_R``), where
+    autograd's own would scatter-add T x K rows into R."""
+
+    @staticmethod
+    def forward(ctx, y_RD: torch.Tensor, w_TK: torch.Tensor, slot_row_TK: torch.Tensor, row_slot_R: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+        ctx.save_for_backward(y_RD, w_TK, slot_row_TK, row_slot_R)
+        acc = _acc(y_RD.dtype)
+        return (_slot_outputs(y_RD, slot_row_TK) * w_TK.to(acc).unsqueeze(-1)).sum(dim=1).to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad_TD: torch.Tensor):
+        y_RD, w_TK, slot_row_TK, row_slot_R = ctx.saved_tensors
+        K, acc = w_TK.shape[1], _acc(y_RD.dtype)
+        grad_w_TK = None
+        if ctx.needs_input_grad[1]:
+            grad_w_TK = (_slot_outputs(y_RD, slot_row_TK) * grad_TD.to(acc).unsqueeze(1)).sum(dim=-1).to(w_TK.dtype)
+        grad_y_RD = None
+        if ctx.needs_input_grad[0]:
+            real_R = row_slot_R >= 0
+            slot_R = row_slot_R.clamp(min=0)
+            scaled_RD = grad_TD[slot_R // K].to(acc) * w_TK.reshape(-1)[slot_R].to(acc).unsqueeze(-1)
+            grad_y_RD = torch.where(real_R.unsqueeze(-1), scaled_RD, 0.0).to(y_RD.dtype)
+        return grad_y_RD, grad_w_TK, None, None, None
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """The sums' dtype: float32, or the inputs' where wider."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _slot_outputs(y_RD: torch.Tensor, slot_row_TK: torch.Tensor) -> torch.Tensor:
+    """(T, K, D) in :func:`_acc`'s dtype: each slot's output row, zero where the slot was dropped (row R)."""
+    R = y_RD.shape[0]
+    out_TKD = y_RD[slot_row_TK.clamp(max=R - 1)].to(_acc(y_RD.dtype))
+    return torch.where((slot_row_TK < R).unsqueeze(-1), out_TKD, 0.0)
 
 
 class ExpertParallel:
@@ -144,32 +205,27 @@ class ExpertParallel:
         trash = ep * C  # one extra row absorbs the writes of dropped slots
         send_row_N = torch.where(keep_N, dest_N * C + pos_N, trash)
 
-        # Per send-buffer row: the token it carries (clamped to 0 for empty rows, whose content is
-        # ignored on arrival) and the receiving rank's local expert id (-1 = empty).
-        row_token = torch.full((trash + 1,), -1, dtype=torch.int64, device=device)
-        row_token = row_token.scatter(0, send_row_N, sorted_slots_N // K)[:trash]
+        # Per send-buffer row: the slot it carries and the receiving rank's local expert id (-1 for
+        # an empty row, which carries token 0's values, ignored on arrival).
+        row_slot_R = torch.full((trash + 1,), -1, dtype=torch.int64, device=device)
+        row_slot_R = row_slot_R.scatter(0, send_row_N, sorted_slots_N)[:trash]
         row_expert = torch.full((trash + 1,), -1, dtype=torch.int64, device=device)
         row_expert = row_expert.scatter(0, send_row_N, local_expert_ids(sorted_ids_N, n_local))[:trash]
-        send_x = x_TD[row_token.clamp(min=0)]
+        slot_row_TK = torch.empty_like(send_row_N).scatter(0, sorted_slots_N, send_row_N).view(T, K)
+        send_x = _GatherSlotRows.apply(x_TD, row_slot_R.clamp(min=0) // K, slot_row_TK)
 
         recv_x = funcol.all_to_all_single_autograd(send_x, None, None, self.ep_mesh)
         recv_expert = funcol.all_to_all_single(row_expert, None, None, self.ep_mesh)
-        return recv_x, recv_expert, _Layout(sorted_slots_N, sorted_ids_N, keep_N, send_row_N, trash)
+        layout = _Layout(sorted_slots_N, sorted_ids_N, keep_N, send_row_N, slot_row_TK, row_slot_R, trash)
+        return recv_x, recv_expert, layout
 
     def _combine(self, y_back: torch.Tensor, layout: _Layout, topk_weights_TK: torch.Tensor, dtype: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """One chunk's output from the rows its experts sent back: each slot reads its row (slot
         order), masked where dropped, weighted, summed over k. Returns (y_TD, dropped_E)."""
-        T, K = topk_weights_TK.shape
-        D = y_back.shape[1]
-        sorted_slots_N, sorted_ids_N, keep_N, send_row_N, trash = layout
-        slot_row_N = torch.empty_like(send_row_N).scatter(0, sorted_slots_N, send_row_N)
-        slot_keep_N = torch.empty_like(keep_N).scatter(0, sorted_slots_N, keep_N)
-        out_TKD = y_back[slot_row_N.clamp(max=trash - 1)].view(T, K, D).float()
-        out_TKD = torch.where(slot_keep_N.view(T, K, 1), out_TKD, 0.0)
-        y_TD = (out_TKD * topk_weights_TK.float().unsqueeze(-1)).sum(dim=1).to(dtype)
+        y_TD = _CombineSlotRows.apply(y_back, topk_weights_TK, layout.slot_row_TK, layout.row_slot_R, dtype)
         dropped_E = torch.zeros(self.num_experts, dtype=torch.float32, device=y_back.device)
-        dropped_E = dropped_E.scatter_add(0, sorted_ids_N, (~keep_N).float())
+        dropped_E = dropped_E.scatter_add(0, layout.sorted_ids_N, (~layout.keep_N).float())
         return y_TD, dropped_E
 
 
