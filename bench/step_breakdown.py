@@ -11,7 +11,8 @@ matches its name or the CPU op that launched it (the innermost profiled op, foun
 launch's correlation id, and the ops enclosing it on the launching thread):
 
     optimizer  AdamW, gradient-norm clipping (foreach / fused multi-tensor kernels)
-    comm       NCCL
+    comm       NCCL, and any kernel or memcpy launched inside a collective's op (in a simulated
+               world, parallelisms/simulate.py, the loopback copies that stand in for communication)
     attention  SDPA (cuDNN, flash, memory-efficient) forward and backward
     moe        the MoE ops (mega_moe::*, mega_moe_fp8::*, _grouped_mm, _scaled_grouped_mm, the
                torch reference's per-expert mm), routing (topk, sort, histc; scatter/gather/index
@@ -20,7 +21,7 @@ launch's correlation id, and the ops enclosing it on the launching thread):
     gemm       the other GEMMs (attention projections, router)
     norm       RMSNorm (inductor kernels computing an rsqrt)
     cast       pure dtype conversions (inductor ``_to_copy`` kernels, aten::copy_/to)
-    memory     memcpy / memset
+    memory     the other memcpy / memset
     other      the rest: the top of that list is what to explain next
 
 Inductor's generated kernels have no CPU op of their own (they run inside one "CompiledFunction"),
@@ -47,8 +48,9 @@ PARTS = ("attention", "moe", "lm_head", "gemm", "norm", "cast", "optimizer", "co
 _GEMM_KERNEL = re.compile(r"gemm|nvjet|cutlass|xmma|sm90_.*(mma|gmma)|cublas", re.I)
 _GEMM_OP = re.compile(r"aten::(mm|addmm|bmm|matmul|linear|_scaled_mm)$")
 # (part, regex on the kernel name, regex on the launching op chain), tried in order.
+_COMM_OP = re.compile(r"nccl|c10d::|all_to_all|all_gather|reduce_scatter")
 _RULES: list[tuple[str, re.Pattern | None, re.Pattern | None]] = [
-    ("comm", re.compile(r"nccl", re.I), re.compile(r"nccl|c10d::|all_to_all|all_gather|reduce_scatter")),
+    ("comm", re.compile(r"nccl", re.I), _COMM_OP),
     ("optimizer", re.compile(r"multi_tensor_apply|fused_adam|adamw", re.I),
      re.compile(r"Optimizer\.step|_fused_adamw|_foreach_|clip_grad|get_total_norm")),
     ("attention", re.compile(r"flash|fmha|sdpa|attn|cudnn_generated_fort_native_sdpa", re.I),
@@ -178,16 +180,16 @@ def breakdown(trace: dict[str, Any] | list, steps: int, vocab_min: int = 100_000
     parts: list[str] = []
     for k in gpu:
         args = k.get("args", {})
-        if k["cat"] != "kernel":
-            part = "memory"
-        else:
-            launch = launches.get(args.get("correlation"))
-            op = ops_by_ext.get(args.get("External id"))
-            if op is None and launch is not None:
-                op = ops_by_ext.get(launch.get("args", {}).get("External id"))
-            chain = _chain(op, parent, by_tid, starts, launch["ts"] if launch else None,
-                           launch.get("tid") if launch else None)
+        launch = launches.get(args.get("correlation"))
+        op = ops_by_ext.get(args.get("External id"))
+        if op is None and launch is not None:
+            op = ops_by_ext.get(launch.get("args", {}).get("External id"))
+        chain = _chain(op, parent, by_tid, starts, launch["ts"] if launch else None,
+                       launch.get("tid") if launch else None)
+        if k["cat"] == "kernel":
             part = classify(k["name"], chain, vocab_min)
+        else:  # a copy made by a collective (a simulated world's loopback) is its communication
+            part = "comm" if _COMM_OP.search(" ".join(ev["name"] for ev in chain)) else "memory"
         parts.append(part)
         per_part[part] += k["dur"]
         entry = per_kernel[(part, k["name"])]

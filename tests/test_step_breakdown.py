@@ -101,6 +101,21 @@ def test_cpu_only_trace_is_refused(tmp_path, capsys):
     assert "profile a CUDA run" in capsys.readouterr().err
 
 
+def test_copies_inside_a_collective_are_communication():
+    """A simulated world's collectives are copies (a memcpy and a copy kernel) launched inside the
+    collective's op: they count as communication; a memcpy outside any collective stays memory."""
+    ev = [_op("_c10d_functional::all_to_all_single", 0, 10, 1),
+          _launch(1, 201, 1), _kernel("Memcpy DtoD (Device -> Device)", 10, 6, 201, 1, cat="gpu_memcpy"),
+          _op("c10d::allgather_", 3, 5, 2),
+          _launch(4, 202, 2), _kernel("void at::native::elementwise_kernel<copy>", 20, 4, 202, 2),
+          _op("aten::copy_", 30, 2, 3),
+          _launch(31, 203, 3), _kernel("Memcpy DtoD (Device -> Device)", 30, 3, 203, 3, cat="gpu_memcpy")]
+    report = SB.breakdown({"traceEvents": ev}, steps=1)
+    assert report["parts_ms"]["comm"] == pytest.approx(0.010)
+    assert report["parts_ms"]["memory"] == pytest.approx(0.003)
+    assert report["comm_exposed_ms"] == pytest.approx(0.010)
+
+
 def test_exposed_communication():
     """Two streams: an all-to-all 0-10 us overlapped by a GEMM 5-20 us, then one 20-30 us alone."""
     ev = [_kernel("ncclDevKernel_SendRecv", 0, 10, 1, 1), _kernel("nvjet_gemm", 5, 15, 2, 2),
