@@ -47,8 +47,8 @@ PARTS = ("attention", "moe", "lm_head", "gemm", "norm", "cast", "optimizer", "co
 
 _GEMM_KERNEL = re.compile(r"gemm|nvjet|cutlass|xmma|sm90_.*(mma|gmma)|cublas", re.I)
 _GEMM_OP = re.compile(r"aten::(mm|addmm|bmm|matmul|linear|_scaled_mm)$")
-# (part, regex on the kernel name, regex on the launching op chain), tried in order.
 _COMM_OP = re.compile(r"nccl|c10d::|all_to_all|all_gather|reduce_scatter")
+# (part, regex on the kernel name, regex on the launching op chain), tried in order.
 _RULES: list[tuple[str, re.Pattern | None, re.Pattern | None]] = [
     ("comm", re.compile(r"nccl", re.I), _COMM_OP),
     ("optimizer", re.compile(r"multi_tensor_apply|fused_adam|adamw", re.I),

@@ -59,8 +59,8 @@ class _Layout(NamedTuple):
 
 class _GatherSlotRows(torch.autograd.Function):
     """``x_TD[row_token_R]``: the send buffer's rows from their tokens. Its backward sums each token's
-    K rows by a gather over ``slot_row_TK`` in float32 (at least), where autograd's own would scatter-add the R
-    rows into T (bf16 atomics, every empty row on token 0)."""
+    K rows by a gather over ``slot_row_TK`` in float32 (at least), where autograd's own would
+    scatter-add the R rows into T (bf16 atomics, every empty row on token 0)."""
 
     @staticmethod
     def forward(ctx, x_TD: torch.Tensor, row_token_R: torch.Tensor, slot_row_TK: torch.Tensor) -> torch.Tensor:
@@ -70,15 +70,12 @@ class _GatherSlotRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_RD: torch.Tensor):
         (slot_row_TK,) = ctx.saved_tensors
-        R = grad_RD.shape[0]
-        rows_TKD = grad_RD[slot_row_TK.clamp(max=R - 1)].to(_acc(grad_RD.dtype))
-        rows_TKD = torch.where((slot_row_TK < R).unsqueeze(-1), rows_TKD, 0.0)
-        return rows_TKD.sum(dim=1).to(grad_RD.dtype), None, None
+        return _slot_outputs(grad_RD, slot_row_TK).sum(dim=1).to(grad_RD.dtype), None, None
 
 
 class _CombineSlotRows(torch.autograd.Function):
-    """y_TD = sum over k of w_TK x ``y_RD[slot_row_TK]`` (dropped slots add nothing), in float32 (at least).
-    Its backward writes each row's gradient from its slot (a gather over ``row_slot_R``), where
+    """y_TD = sum over k of w_TK x ``y_RD[slot_row_TK]`` (dropped slots add nothing), in float32 (at
+    least). Its backward writes each row's gradient from its slot (a gather over ``row_slot_R``), where
     autograd's own would scatter-add T x K rows into R."""
 
     @staticmethod
@@ -110,7 +107,8 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 
 
 def _slot_outputs(y_RD: torch.Tensor, slot_row_TK: torch.Tensor) -> torch.Tensor:
-    """(T, K, D) in :func:`_acc`'s dtype: each slot's output row, zero where the slot was dropped (row R)."""
+    """(T, K, D) in :func:`_acc`'s dtype: each slot's row of ``y_RD`` (an output, or a gradient of the
+    send buffer), zero where the slot was dropped (row R)."""
     R = y_RD.shape[0]
     out_TKD = y_RD[slot_row_TK.clamp(max=R - 1)].to(_acc(y_RD.dtype))
     return torch.where((slot_row_TK < R).unsqueeze(-1), out_TKD, 0.0)

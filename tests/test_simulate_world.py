@@ -155,7 +155,8 @@ def test_ep_exchange_computes_each_slot_once_with_valid_local_ids(world):
 def test_ep_exchange_gradients_equal_autograd_through_one_process(world, factor):
     """The dispatch's and combine's hand-written backwards (gathers, float32 sums) against autograd
     through the one-process MoE in float64: gradients of x, the routing weights and the experts,
-    with empty rows in every buffer and, at factor 0.5, dropped slots (whose weights get no gradient)."""
+    fresh inputs each run, with empty rows in every buffer, an expert no token routes to, and at
+    factor 0.5 dropped slots (whose weights get no gradient)."""
     from kernels.moe import get_moe_backend
     from parallelisms.expert_parallel import ExpertParallel
     from parallelisms.parallel_dims import ParallelDims
@@ -164,15 +165,19 @@ def test_ep_exchange_gradients_equal_autograd_through_one_process(world, factor)
     E, ep, T, K, D, F = 8, 4, 24, 3, 8, 6
     mesh = ParallelDims(dp_replicate=1, dp_shard=4, ep=ep, world_size=4).mesh
     layer = ExpertParallel(mesh, E, capacity_factor=factor, param_dtype=torch.float64)
-    gen = torch.Generator().manual_seed(int(factor * 10))
-    ids_TK = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
-    ids_TK[: T // 2, 0] = 1  # a hot expert: at factor 0.5 its destination overflows
+    gen = torch.Generator()
+    seed = gen.seed()
+    # Expert E - 1 gets no token; expert 1 is hot: at factor 0.5 its destination overflows.
+    ids_TK = torch.stack([torch.randperm(E - 1, generator=gen)[:K] for _ in range(T)])
+    ids_TK[: T // 2, 0] = 1
     n_local = E // ep
-    leaves = [torch.randn(T, D, generator=gen, dtype=torch.float64), torch.rand(T, K, generator=gen, dtype=torch.float64),
-              torch.randn(n_local, F, D, generator=gen, dtype=torch.float64),
-              torch.randn(n_local, F, D, generator=gen, dtype=torch.float64),
-              torch.randn(n_local, D, F, generator=gen, dtype=torch.float64)]
-    grad_TD = torch.randn(T, D, generator=gen, dtype=torch.float64)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    leaves = [randn(T, D), torch.rand(T, K, generator=gen, dtype=torch.float64),
+              randn(n_local, F, D), randn(n_local, F, D), randn(n_local, D, F)]
+    grad_TD = randn(T, D)
     backend = get_moe_backend("torch")
 
     got = [t.clone().requires_grad_() for t in leaves]
@@ -184,9 +189,9 @@ def test_ep_exchange_gradients_equal_autograd_through_one_process(world, factor)
     want = [t.clone().requires_grad_() for t in leaves]
     y_want = backend(want[0], ids_TK % n_local, want[1] * keep_TK, *want[2:])
     y_want.backward(grad_TD)
-    torch.testing.assert_close(y_TD, y_want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(y_TD, y_want, rtol=1e-12, atol=1e-12, msg=f"y (seed {seed})")
     for name, g, w in zip(["x", "weights", "w1", "w3", "w2"], got, want):
-        torch.testing.assert_close(g.grad, w.grad, rtol=1e-12, atol=1e-12, msg=name)
+        torch.testing.assert_close(g.grad, w.grad, rtol=1e-12, atol=1e-12, msg=f"{name} (seed {seed})")
 
 
 # --------------------------------------------------------------------------------------------------
