@@ -17,6 +17,7 @@ from kernels.moe.reference import moe_reference
 triton = pytest.importorskip("triton")
 from kernels.moe.mega import get_configs, mega_moe, moe_backward, moe_forward  # noqa: E402
 from kernels.moe.mega import forward as _fwd_module  # noqa: E402
+from kernels.moe.combine import one_slot_output  # noqa: E402
 from kernels.moe.routing import max_tiles, num_real_tiles, sort_by_expert, tile_table  # noqa: E402
 from tests.triton_interpreter import DEVICE, skip_unless_runnable  # noqa: E402
 from tests.triton_interpreter import HAS_CUDA as _HAS_CUDA  # noqa: E402
@@ -100,6 +101,8 @@ _INTERP_CASES = [
     pytest.param(33, 2, 6, 40, 48, "random", id="T33-top2-D40"),
     pytest.param(17, 3, 5, 32, 48, "one_expert", id="T17-top3-all-to-one-repeated-ids"),
     pytest.param(33, 8, 8, 32, 48, "random", id="T33-top8"),
+    # Expert parallelism's receive side: one slot per row, ~30% of them empty.
+    pytest.param(29, 1, 4, 32, 48, "empty_slots", id="T29-top1-emptyslots"),
 ]
 
 
@@ -123,6 +126,7 @@ def test_forward_backward_bf16_interpreter():
         (300, 4, 16, 256, 200, "empty_expert"),
         (257, 2, 8, 136, 256, "one_expert"),
         (1, 1, 4, 128, 64, "random"),
+        (1000, 1, 16, 256, 384, "empty_slots"),
     ],
 )
 def test_forward_backward_bf16_gpu(T, K, E, D, F, kind):
@@ -144,6 +148,22 @@ def test_dh_epilogue_split(split):
     configs = dataclasses.replace(configs, dh=dataclasses.replace(configs.dh, epilogue_split=split),
                                   grouped_mm_backward=False)
     _check_against_reference(T, K, E, D, F, "random", dtype, tol, random_seed(), configs)
+
+
+def test_one_slot_output_zeroes_only_empty_slots():
+    """Top-1's combine returns the GEMM's slot rows in place: the rows of empty slots, which no GEMM
+    tile writes (here NaN), come back zero and every other row is untouched."""
+    T, E, D = 37, 5, 80
+    ids, _ = make_routing(T, 1, E, "empty_slots")
+    slots, offs = sort_by_expert(ids.to(torch.int32), E)
+    buf = torch.randn(T, D, device=DEVICE)
+    empty = ids[:, 0] < 0
+    assert empty.any() and not empty.all()
+    buf[empty] = float("nan")
+    expected = torch.where(empty[:, None], 0.0, buf)
+    out = one_slot_output(buf, slots, offs)
+    assert out.data_ptr() == buf.data_ptr()
+    assert torch.equal(out, expected)
 
 
 @pytest.mark.parametrize("grouped_mm_backward", [False, True])

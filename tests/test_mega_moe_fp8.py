@@ -190,6 +190,7 @@ _CASES = [
     pytest.param(16, 8, 8, 128, 128, "random", False, {}, id="T16-top8-E8"),
     pytest.param(37, 2, 4, 256, 128, "random", True, {}, id="T37-top2-outliers"),
     pytest.param(41, 2, 4, 128, 128, "empty_slots", False, dict(wgrad="bf16"), id="T41-top2-emptyslots-bf16wgrad"),
+    pytest.param(27, 1, 4, 128, 128, "empty_slots", False, {}, id="T27-top1-emptyslots"),
     pytest.param(21, 2, 4, 200, 192, "empty_expert", False, dict(dh_quant=True), id="T21-D200-F192-emptyexperts"),
     pytest.param(19, 4, 8, 128, 128, "empty_expert", False, dict(pow2=True), id="T19-top4-E8-emptyexperts-pow2"),
     # Rows of 208 and 192 bytes: TMA-addressable, with a partial K block.
@@ -377,6 +378,7 @@ def _count_gluon_grouped_calls(monkeypatch) -> list:
     (129, 1, 4, 256, 256, "one_expert"),
     (77, 2, 8, 208, 192, "empty_expert"),  # partial K blocks, TMA rows of 208 / 192 bytes
     (200, 4, 8, 256, 128, "empty_slots"),
+    (150, 1, 8, 256, 128, "empty_slots"),
 ])
 def test_gpu_gluon_grouped_gemms(T, K, E, D, F, kind, monkeypatch):
     """The down, dX and dA' GEMMs on the Gluon engine: the whole op against both oracles with

@@ -78,6 +78,43 @@ def sum_over_k(
     return out_TD
 
 
+@triton.jit
+def _zero_empty_rows_kernel(
+    buf_ptr,  # (N, D) rows by slot
+    sorted_slot_ptr,  # (N,) int32 slot of each expert-sorted row
+    end_ptr,  # pointer to offsets_E1[E]: sorted rows from here on belong to empty slots
+    N,
+    D,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    first = tl.program_id(0) * BLOCK_R
+    end = tl.load(end_ptr)
+    # Empty slots sort last: blocks of sorted rows wholly before them have nothing to write.
+    if first + BLOCK_R > end:
+        r = first + tl.arange(0, BLOCK_R)
+        empty = (r >= end) & (r < N)
+        slot = tl.load(sorted_slot_ptr + r, mask=empty, other=0).to(tl.int64)
+        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        zeros = tl.zeros([BLOCK_R, BLOCK_D], dtype=buf_ptr.dtype.element_ty)
+        tl.store(buf_ptr + slot[:, None] * D + d[None, :], zeros, mask=empty[:, None] & (d < D)[None, :])
+
+
+def one_slot_output(buf_ND: torch.Tensor, sorted_slot_N: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
+    """``sum_over_k`` for top_k = 1, without its copy: each token's only slot row is its output, so
+    ``buf_ND`` is returned with the rows of empty slots (never written by the GEMM) zeroed in place.
+    Expert parallelism's receive side calls the op this way, with half its rows empty at the default
+    capacity, so this writes a fraction of the bytes the copy reads and writes."""
+    N, D = buf_ND.shape
+    if N == 0:
+        return buf_ND
+    block_r, block_d = (16, min(triton.next_power_of_2(D), 512)) if not interpreting() else (4, 64)
+    _zero_empty_rows_kernel[(triton.cdiv(N, block_r), triton.cdiv(D, block_d))](
+        buf_ND, sorted_slot_N, offsets_E1[-1:], N, D, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4
+    )
+    return buf_ND
+
+
 def valid_slots(sorted_slot_N: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
     """(N,) int8, 1 where the slot has an expert: empty slots (id -1) sort after the last expert's
     rows, i.e. at rows >= offsets_E1[E]."""
