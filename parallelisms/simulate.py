@@ -30,6 +30,7 @@ Point-to-point messages and a scatter from another rank have no local counterpar
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -214,6 +215,30 @@ def register_backend() -> None:
         dist.Backend.register_backend(BACKEND, _create_loopback_group, devices=["cpu", "cuda"])
 
 
+def _fsdp_divides_after_the_sum() -> None:
+    """Make FSDP2 reduce-scatter gradients with SUM and divide afterwards where it would pass
+    PREMUL_SUM(1 / factor) (its choice when a gradient divide factor is set, as upstream TorchTitan
+    sets one under expert parallelism). torch 2.11's ReduceOp does not expose the factor to Python, so
+    the loopback group could not apply it; SUM then divide is FSDP2's own path for fp16 gradients and
+    gives the same result. Idempotent; only this process's simulated run is affected."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+
+    chooser = collectives._get_gradient_divide_factors
+    if getattr(chooser, "_loopback_sum_then_divide", False):
+        return
+    factor_of = inspect.signature(chooser)
+
+    def sum_then_divide(*args, **kwargs):
+        pre, post, reduce_scatter_op, all_reduce_op = chooser(*args, **kwargs)
+        if getattr(reduce_scatter_op, "op", reduce_scatter_op) == ReduceOp.PREMUL_SUM:
+            factor = factor_of.bind(*args, **kwargs).arguments["factor"]
+            return pre, factor, ReduceOp.SUM, ReduceOp.SUM
+        return pre, post, reduce_scatter_op, all_reduce_op
+
+    sum_then_divide._loopback_sum_then_divide = True
+    collectives._get_gradient_divide_factors = sum_then_divide
+
+
 def init_simulated_world(world_size: int) -> int:
     """Join a ``world_size``-rank loopback process group as rank 0 (no launcher, no peers); returns
     the world size."""
@@ -227,6 +252,7 @@ def init_simulated_world(world_size: int) -> int:
         raise ConfigError(f"[parallelism] simulate_world_size = {world_size}: this process already has a "
                           f"process group ({dist.get_backend()}, {dist.get_world_size()} ranks); destroy it first")
     register_backend()
+    _fsdp_divides_after_the_sum()
     # A HashStore lives in this process: the group has no peers to rendezvous with.
     dist.init_process_group(BACKEND, store=dist.HashStore(), rank=0, world_size=world_size)
     return world_size

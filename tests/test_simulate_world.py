@@ -71,6 +71,27 @@ def test_reduce_scatter_is_this_ranks_chunk_reduced_over_identical_ranks(world):
 
 
 @pytest.mark.unit
+def test_fsdp_gradient_divide_factor_is_applied_after_the_sum(world):
+    """A gradient divide factor (upstream TorchTitan sets one under expert parallelism) makes FSDP2
+    pass PREMUL_SUM(1 / factor), whose factor torch 2.11 hides from Python: the simulated world has
+    FSDP2 sum and then divide instead, with the same gradient."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+
+    world(4)
+    ops = collectives._get_gradient_divide_factors(dist.group.WORLD, None, torch.float32, "cpu", 8.0)
+    assert ops[1:] == (8.0, dist.ReduceOp.SUM, dist.ReduceOp.SUM)
+    lin = torch.nn.Linear(8, 4, bias=False)
+    fully_shard(lin, mesh=init_device_mesh("cpu", (4,)))
+    lin.set_gradient_divide_factor(8.0)
+    x = torch.randn(3, 8)
+    lin(x).sum().backward()
+    # Four identical ranks summed, divided by 8: half of this rank's row of the gradient.
+    assert torch.allclose(lin.weight.grad.to_local(), 0.5 * x.sum(0, keepdim=True))
+
+
+@pytest.mark.unit
 def test_all_reduce_sums_n_copies_and_keeps_avg_max_min(world):
     world(8)
     for op, factor in ((dist.ReduceOp.SUM, 8), (dist.ReduceOp.AVG, 1), (dist.ReduceOp.MAX, 1), (dist.ReduceOp.MIN, 1)):
