@@ -12,7 +12,7 @@ on top to any test whose ``skipif`` skips exactly when CUDA is missing, for a re
 ``pytest -m unit``, ``-m "not integration"``, ``-m "kernels or unit"``, ...; the full run
 (``pytest tests``) prints the time spent per tier at the end.
 
-Shared helpers live in tests/utils.py.
+Shared helpers live in tests/utils.py; the shared fixture is below.
 """
 
 import os
@@ -92,6 +92,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(getattr(pytest.mark, tier))
         if _is_gpu_only(item):
             item.add_marker(pytest.mark.gpu)
+
+
+@pytest.fixture
+def narrow_debug_model(monkeypatch):
+    """The debug flavor at half its width and experts (dim 128, 4 heads, 4 experts), for trainer
+    tests whose MoE kernels run in the interpreter, where the cost is per program (weight block)."""
+    import dataclasses
+
+    from models.qwen3.args import FLAVORS
+
+    monkeypatch.setitem(FLAVORS, "debug", dataclasses.replace(FLAVORS["debug"], dim=128, n_heads=4, num_experts=4))
 
 
 _TIER_SECONDS: dict[str, float] = defaultdict(float)

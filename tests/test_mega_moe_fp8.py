@@ -296,8 +296,8 @@ def test_registry_and_trainer_config():
     check_implemented(cfg)
 
 
-def test_trains_end_to_end(tmp_path, capsys):
-    """train.py main, debug model (D 256, F 128: whole scale tiles) with the FP8 MoE for two steps;
+def test_trains_end_to_end(tmp_path, capsys, narrow_debug_model):
+    """train.py main, narrow debug model (D 128, F 128: whole scale tiles) with the FP8 MoE for two steps;
     bf16 compute (the FP8 backend takes bf16 only). main returns 1 on a non-finite loss. The logged
     losses and gradient norms follow the bf16 run of the torch backend (same config, seed and
     data): measured on CPU at most 8e-5 (loss) and 3e-5 (grad norm) apart relatively; checked at

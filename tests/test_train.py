@@ -85,10 +85,10 @@ def test_loss_falls_on_shipped_corpus(tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["grouped_mm", "mega"])
-def test_backends_train_like_the_reference(tmp_path, backend):
+def test_backends_train_like_the_reference(tmp_path, backend, narrow_debug_model):
     """Two steps of the debug model (the second's loss follows the first's backward and update):
-    each backend's losses follow the torch reference's. (Small: the mega kernels run in Triton's
-    interpreter on CPU.)"""
+    each backend's losses follow the torch reference's. (Small and narrow: the mega kernels run in
+    Triton's interpreter on CPU.)"""
     small = ["--training.steps", "2", "--model.n_layers", "1", "--training.seq_len", "32",
              "--training.local_batch_size", "2"]
     ref = run_losses(make_trainer(tmp_path, *small, "--moe.backend", "torch"))
@@ -102,7 +102,6 @@ def test_chunked_loss_trains_like_full_logits(losses_of):
     assert got == pytest.approx(ref, rel=1e-5)
 
 
-@pytest.mark.unit
 @pytest.mark.unit
 @pytest.mark.parametrize("first, last, window", [
     (1, 1, (1, 1)), (1, 2, (2, 2)), (1, 5, (3, 5)), (1, 12, (6, 12)),  # shorter than 6-20: its second half at most

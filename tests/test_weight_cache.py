@@ -116,7 +116,7 @@ def test_bf16_cache_trains_bitwise_like_per_call_casts(tmp_path, extra):
 @pytest.mark.parametrize("more", [[], ["--compile.enable", "--compile.backend", "aot_eager", "--activation_checkpoint.mode",
                                    "full", "--activation_checkpoint.keep", "attention_and_moe"]],
                          ids=["eager", "compiled-ac-keep"])
-def test_fp8_cache_trains_like_per_call_quantization(tmp_path, more):
+def test_fp8_cache_trains_like_per_call_quantization(tmp_path, more, narrow_debug_model):
     """mega_fp8 in one process: the first step is bitwise (same e4m3 weights); later steps follow
     closely (the cached path writes the weight gradients in float32, the per-call path in bf16).
     Compiled, the cache's tensors reach the op through the traced graph."""
@@ -146,7 +146,7 @@ def _expert_grads_each_step(trainer, steps: int) -> tuple[list[float], list[list
     return run_losses(trainer, steps), seen
 
 
-def test_fp8_cache_carries_bf16_gradients(tmp_path):
+def test_fp8_cache_carries_bf16_gradients(tmp_path, narrow_debug_model):
     """With the Triton AdamW in one process the FP8 experts' gradients land on bf16 carriers without
     storage (the parameters get none): bitwise the bf16 gradients the per-call path writes before its
     cast to float32, compiled under full AC (the carriers reach the op through the traced graph). The

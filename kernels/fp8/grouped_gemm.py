@@ -59,7 +59,7 @@ def _block_sizes(block_m: int | None, block_n: int | None) -> tuple[int, int]:
     # gate/up. The interpreter gets small tiles so the tests' partial tiles are exercised and stay
     # fast.
     if interpreting():
-        return block_m or 16, block_n or 32
+        return block_m or 16, block_n or 64
     return block_m or 64, block_n or 128
 
 
@@ -651,7 +651,7 @@ def fp8_wgrad(
     ld = at_q.shape[1]
     bm, bn = _block_sizes(block_m, block_n)
     if interpreting() and block_m is None:
-        bm = 32
+        bm = 64
     out = torch.empty((E, M, NCOL), device=at_q.device, dtype=out_dtype)
     if out.numel() == 0:
         return out

@@ -68,7 +68,7 @@ def sum_over_k(
     out_TD = torch.empty((num_tokens, D), device=buf_ND.device, dtype=buf_ND.dtype)
     if num_tokens == 0:
         return out_TD
-    block_d = min(triton.next_power_of_2(D), 1024 if not interpreting() else 64)
+    block_d = min(triton.next_power_of_2(D), 1024 if not interpreting() else 128)
     _sum_over_k_kernel[(num_tokens, triton.cdiv(D, block_d))](
         buf_ND, buf_ND if buf2_ND is None else buf2_ND, buf_ND if row_of_slot_N is None else row_of_slot_N,
         out_TD, buf_ND if valid_N is None else valid_N, top_k, D,

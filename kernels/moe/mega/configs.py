@@ -87,7 +87,8 @@ _GPU_TABLE: dict[tuple[int, int, int], MegaMoEConfigs] = {
 
 # The Triton interpreter runs each program as numpy code: small blocks keep it cheap and, with the
 # tiny test shapes (D 32 or 40, F 48), exercise partial tiles in every dimension, the masked K loop
-# included.
+# included. The weight-gradient kernels take 64 x 64 output tiles: their cost is per program, each
+# program loops over the rows, and the tests' wider shapes (D 128-256) still span several tiles.
 _INTERPRET_DEFAULT = MegaMoEConfigs(
     # Persistent loops in two of the four M-tiled kernels, one-program-per-tile in the others: the
     # tests cover both launch modes.
@@ -95,8 +96,8 @@ _INTERPRET_DEFAULT = MegaMoEConfigs(
     down=TileConfig(16, 32, 32, 4, 1),
     dh=TileConfig(16, 32, 32, 4, 1, epilogue_split=2, persistent=1),
     dx=TileConfig(16, 32, 32, 4, 1),
-    dw13=TileConfig(32, 32, 16, 4, 1),
-    dw2=TileConfig(32, 32, 16, 4, 1),
+    dw13=TileConfig(64, 64, 16, 4, 1),
+    dw2=TileConfig(64, 64, 16, 4, 1),
 )
 
 
