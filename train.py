@@ -46,7 +46,7 @@ from parallelisms import parallelize_model
 from parallelisms.ep_proxy import check_ep_proxy, describe_ep_proxy, ep_proxy_label
 from parallelisms.parallel_dims import build_parallel_dims
 from parallelisms.expert_parallel import finish_expert_grads
-from parallelisms.simulate import simulation_line
+from parallelisms.simulate import loopback_copy_seconds, simulation_line
 from parallelisms.utils import clip_grad_norm_, clip_scale, init_distributed, report_error
 
 
@@ -441,7 +441,7 @@ class Trainer:
                     loss, aux, grad_norm = self.train_step(data_iter)
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
-                    self.metrics.step_done(self.step, loss, *self.dropped_slots)
+                    self.metrics.step_done(self.step, loss, *self.dropped_slots, loopback_s=loopback_copy_seconds())
                     profiler.step_end(self.step)
                     signum = stop.agreed(self.device)  # every rank stops after the same step
                     self.log_step(loss, aux, grad_norm, lr, last=self.step == t.steps or bool(signum))

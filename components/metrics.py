@@ -80,6 +80,9 @@ class MetricsLogger:
     log_dir: str | None = None
     simulated_world: int = 0  # > 1: rank 0 of a simulated world of this many ranks (parallelisms/simulate.py)
     step_times: dict[int, float] = field(default_factory=dict)
+    # Simulated world: seconds of each step's loopback copies on the compute stream (the stand-ins for
+    # its collectives), left out of the compute-only figures.
+    loopback_times: dict[int, float] = field(default_factory=dict)
     # What the run stands in for when it is a proxy (e.g. "one rank of expert parallelism 8"): the
     # summary says so, since its times leave out that layout's communication.
     proxy: str = ""
@@ -106,13 +109,14 @@ class MetricsLogger:
             torch.cuda.reset_peak_memory_stats(self.device)
         self._last = time.perf_counter()
 
-    def step_done(self, step: int, loss: float, dropped: int = 0, routed: int = 0) -> float:
-        """Record the wall time and loss of ``step``, and the (token, expert) slots it routed and
-        expert parallelism's capacity ``dropped`` (over all ranks); the caller has synchronised with
-        the device."""
+    def step_done(self, step: int, loss: float, dropped: int = 0, routed: int = 0, loopback_s: float = 0.0) -> float:
+        """Record the wall time and loss of ``step``, the (token, expert) slots it routed and expert
+        parallelism's capacity ``dropped`` (over all ranks), and in a simulated world the seconds of
+        its loopback copies; the caller has synchronised with the device."""
         now = time.perf_counter()
         dt, self._last = now - self._last, now
         self.step_times[step] = dt
+        self.loopback_times[step] = loopback_s
         self.final_loss = (step, loss)
         self.drops[step] = (dropped, routed)
         self.run_drops = (self.run_drops[0] + dropped, self.run_drops[1] + routed)
@@ -132,7 +136,7 @@ class MetricsLogger:
         drops = f"  ep_dropped: {format_drops(dropped, routed)}" if dropped else ""
         line = (f"step: {step:5d}  loss: {loss:8.4f}  aux_loss: {aux_loss:.4f}  grad_norm: {grad_norm:7.4f}  "
                 f"lr: {lr:.2e}  memory: {mem:6.2f}GiB  tps: {tps:,.0f}  step_time: {dt:.3f}s  "
-                f"tflops: {tflops:.2f}  mfu: {mfu}{drops}{self._simulated()}")
+                f"tflops: {tflops:.2f}  mfu: {mfu}{drops}{self._simulated([step])}")
         if self.writer is not None:
             scalars = [("loss", loss), ("aux_loss", aux_loss), ("grad_norm", grad_norm), ("lr", lr),
                        ("tokens_per_second", tps), ("tflops", tflops), ("memory_gib", mem)]
@@ -161,23 +165,30 @@ class MetricsLogger:
         window = [self.step_times[s] for s in ran if lo <= s <= hi]
         mean_dt = sum(window) / len(window)
         mean_tps = sum(self.tokens_per_step / t for t in window) / len(window)
+        window_steps = [s for s in ran if lo <= s <= hi]
         tflops = mean_tps * self.flops_per_token / 1e12
         mfu = f"{100 * tflops / self.peak_tflops:.1f}%" if self.peak_tflops else "n/a"
         step, loss = self.final_loss
         return (f"summary: steps {lo}-{hi} (of {ran[0]}-{ran[-1]}{'; ' + note if note else ''}): mean tokens/s "
                 f"per device {mean_tps:,.0f}  mean step time {mean_dt:.3f}s  tflops {tflops:.2f}  mfu {mfu}  "
                 f"peak memory {peak_memory_gib(self.device):.2f}GiB  final loss {loss:.4f} (step {step})"
-                f"{self._run_drops()}{'  proxy: ' + self.proxy if self.proxy else ''}{self._simulated()}\n"
+                f"{self._run_drops()}{'  proxy: ' + self.proxy if self.proxy else ''}{self._simulated(window_steps)}\n"
                 f"outputs: {'; '.join(outputs) or 'none'}")
 
     def _run_drops(self) -> str:
         return f"  ep_dropped over the run: {format_drops(*self.run_drops)}" if self.run_drops[0] else ""
 
-    def _simulated(self) -> str:
-        """The mark of a simulated run's numbers: one rank's compute and memory, no communication."""
+    def _simulated(self, steps: list[int]) -> str:
+        """The mark of a simulated run's numbers (one rank's compute and memory, no communication),
+        with the mean time of ``steps``' loopback copies and what is left without them: compute only."""
         if self.simulated_world < 2:
             return ""
-        return f"  [simulated rank 0 of {self.simulated_world}: no communication]"
+        copies = sum(self.loopback_times.get(s, 0.0) for s in steps) / len(steps)
+        compute = [self.step_times[s] - self.loopback_times.get(s, 0.0) for s in steps]
+        mean_compute = sum(compute) / len(compute)
+        tps = sum(self.tokens_per_step / t for t in compute) / len(compute) if min(compute) > 0 else float("nan")
+        return (f"  [simulated rank 0 of {self.simulated_world}: no communication; loopback copies {copies:.3f}s, "
+                f"compute only {mean_compute:.3f}s, {tps:,.0f} tokens/s per device]")
 
     def close(self) -> None:
         if self.writer is not None:

@@ -23,15 +23,21 @@ magnitude a real run would see:
   have no such loopback and are refused.
 - **broadcast**, **barrier**: identity, no-op (rank 0 is the source of every broadcast it joins).
 
-Step times therefore exclude communication (a collective here is at most a local copy), and the
-weights after an update are this rank's view of a job in which every rank saw this rank's data.
+Step times therefore exclude communication, but not the local copies that stand in for it. Each
+group times the copies it makes on the compute stream (the device's default stream, where they
+delay compute as no real collective of an overlapped job would; copies on FSDP2's side streams
+overlap compute and are left in): :func:`loopback_copy_seconds` gives the trainer the time to
+subtract for a compute-only step. The weights after an update are this rank's view of a job in
+which every rank saw this rank's data.
 Point-to-point messages and a scatter from another rank have no local counterpart and raise.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -95,6 +101,33 @@ class LoopbackGroup(dist.ProcessGroup):
         super().__init__(rank, size)
         self._rank, self._size = rank, size
         self._name, self._desc = "", ""
+        self._spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA copies on the compute stream
+        self._host_seconds = 0.0  # CPU copies (synchronous)
+
+    @contextlib.contextmanager
+    def _clocked(self, t: torch.Tensor):
+        """Time the copies made inside: CUDA events where ``t`` is on the device's default stream,
+        the host clock on CPU; copies on a side stream are not timed."""
+        if not t.is_cuda:
+            start = time.perf_counter()
+            yield
+            self._host_seconds += time.perf_counter() - start
+        elif torch.cuda.current_stream(t.device) != torch.cuda.default_stream(t.device):
+            yield
+        else:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._spans.append((start, end))
+
+    def take_copy_seconds(self) -> float:
+        """Seconds of timed copies since the last call (waits for the last one to finish)."""
+        if self._spans:
+            self._spans[-1][1].synchronize()
+        seconds = self._host_seconds + sum(a.elapsed_time(b) for a, b in self._spans) / 1e3
+        self._spans, self._host_seconds = [], 0.0
+        return seconds
 
     def getBackendName(self) -> str:
         return BACKEND
@@ -119,7 +152,8 @@ class LoopbackGroup(dist.ProcessGroup):
 
     def allreduce(self, tensors, opts=None):
         for t in tensors:
-            reduce_identical(t, _reduce_op(opts), self._size)
+            with self._clocked(t):
+                reduce_identical(t, _reduce_op(opts), self._size)
         return _done()
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -136,12 +170,14 @@ class LoopbackGroup(dist.ProcessGroup):
 
     def allgather(self, output_lists, inputs, opts=None):
         for outputs, t in zip(output_lists, inputs):
-            for out in outputs:
-                out.copy_(t)
+            with self._clocked(t):
+                for out in outputs:
+                    out.copy_(t)
         return _done()
 
     def all_gather_single(self, output, input, opts=None):
-        _rows(output, self._size, "all-gather").copy_(input.reshape(1, -1).expand(self._size, -1))
+        with self._clocked(output):
+            _rows(output, self._size, "all-gather").copy_(input.reshape(1, -1).expand(self._size, -1))
         return _done()
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
@@ -157,13 +193,15 @@ class LoopbackGroup(dist.ProcessGroup):
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
         for out, chunks in zip(outputs, input_lists):
-            out.copy_(chunks[self._rank])
-            reduce_identical(out, _reduce_op(opts), self._size)
+            with self._clocked(out):
+                out.copy_(chunks[self._rank])
+                reduce_identical(out, _reduce_op(opts), self._size)
         return _done()
 
     def reduce_scatter_single(self, output, input, opts=None):
-        output.view(-1).copy_(_rows(input, self._size, "reduce-scatter")[self._rank])
-        reduce_identical(output, _reduce_op(opts), self._size)
+        with self._clocked(output):
+            output.view(-1).copy_(_rows(input, self._size, "reduce-scatter")[self._rank])
+            reduce_identical(output, _reduce_op(opts), self._size)
         return _done()
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
@@ -180,14 +218,16 @@ class LoopbackGroup(dist.ProcessGroup):
                 f"loopback all-to-all: receiving {list(output_split_sizes or [])} rows from the ranks while "
                 f"sending {list(input_split_sizes or [])} is not a symmetric exchange, which a simulated world "
                 f"cannot represent (expert parallelism's static-capacity exchange is symmetric)")
-        output.copy_(input)
+        with self._clocked(output):
+            output.copy_(input)
         return _done()
 
     alltoall_base = all_to_all_single
 
     def alltoall(self, outputs, inputs, opts=None):
         for out, t in zip(outputs, inputs):
-            out.copy_(t)
+            with self._clocked(out):
+                out.copy_(t)
         return _done()
 
     def scatter(self, outputs, input_lists, opts=None):
@@ -195,7 +235,8 @@ class LoopbackGroup(dist.ProcessGroup):
             raise NotImplementedError("loopback scatter from another rank: its data does not exist in a "
                                       "simulated world")
         for out, chunks in zip(outputs, input_lists):
-            out.copy_(chunks[self._rank])
+            with self._clocked(out):
+                out.copy_(chunks[self._rank])
         return _done()
 
     def send(self, tensors, dst, tag):
@@ -258,7 +299,15 @@ def init_simulated_world(world_size: int) -> int:
     return world_size
 
 
+def loopback_copy_seconds() -> float:
+    """Seconds this process's loopback groups spent copying on the compute stream since the last
+    call: the part of a simulated step that stands in for communication (0 outside a simulated world)."""
+    groups = dist.distributed_c10d._world.pg_map if dist.is_initialized() else {}
+    return sum(g.take_copy_seconds() for g in groups if isinstance(g, LoopbackGroup))
+
+
 def simulation_line(world_size: int) -> str:
     """What the trainer prints at start of a simulated run."""
     return (f"simulating rank 0 of {world_size} ranks in one process: collectives are looped back (no "
-            f"communication; step times and tokens/s exclude it), memory and compute are one rank's")
+            f"communication; step times and tokens/s exclude it, but not the loopback copies, which each "
+            f"line reports and its compute-only figures leave out), memory and compute are one rank's")

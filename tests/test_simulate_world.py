@@ -4,6 +4,7 @@ exchange it implies, the trainer at N = 2, 4 and 8 (FSDP, FSDP + EP, HSDP + EP, 
 per-rank parameter memory, and the refusals."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -89,6 +90,27 @@ def test_fsdp_gradient_divide_factor_is_applied_after_the_sum(world):
     lin(x).sum().backward()
     # Four identical ranks summed, divided by 8: half of this rank's row of the gradient.
     assert torch.allclose(lin.weight.grad.to_local(), 0.5 * x.sum(0, keepdim=True))
+
+
+@pytest.mark.unit
+def test_loopback_copies_are_timed_until_taken(world):
+    """The copies that stand in for collectives are timed (host clock on CPU), summed over the
+    groups, and reset when taken; outside a simulated world there are none."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from parallelisms.simulate import loopback_copy_seconds
+
+    assert loopback_copy_seconds() == 0.0
+    world(4)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    x = torch.randn(1 << 20)
+    dist.all_to_all_single(torch.empty_like(x), x, group=mesh.get_group("a"))
+    dist.all_gather_into_tensor(torch.empty(4 << 20), x)
+    first = loopback_copy_seconds()
+    assert first > 0
+    assert loopback_copy_seconds() == 0.0
+    dist.barrier()  # moves nothing
+    assert loopback_copy_seconds() == 0.0
 
 
 @pytest.mark.unit
@@ -246,7 +268,13 @@ def test_debug_model_trains_in_a_simulated_world(tmp_path, capsys, n, extra):
         assert math.isfinite(s["loss"]) and math.isfinite(s["grad_norm"]) and s["grad_norm"] > 0, out
     assert 6.0 < steps[1]["loss"] < 9.0, steps[1]  # about ln(2048) = 7.6 at initialization
     marks = [line for line in out.splitlines() if line.startswith(("step:", "summary:"))]
-    assert all(line.endswith(f"[simulated rank 0 of {n}: no communication]") for line in marks), marks
+    mark = re.compile(rf"\[simulated rank 0 of {n}: no communication; loopback copies (\S+)s, compute only "
+                      r"(\S+)s, ([\d,]+) tokens/s per device\]$")
+    assert len(marks) == 4 and all(mark.search(line) for line in marks), marks
+    for line in marks:  # the copies are part of the step: what is left is shorter, never negative
+        copies, compute = (float(g) for g in mark.search(line).groups()[:2])
+        step_time = float(re.search(r"step[_ ]time:? (\S+)s", line).group(1))
+        assert 0 < copies < step_time and compute == pytest.approx(step_time - copies, abs=2e-3), line
 
 
 def test_compiled_blocks_train_in_a_simulated_world(tmp_path, capsys):
