@@ -96,13 +96,13 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def narrow_debug_model(monkeypatch):
-    """The debug flavor at half its width and experts (dim 128, 4 heads, 4 experts), for trainer
-    tests whose MoE kernels run in the interpreter, where the cost is per program (weight block)."""
+    """The debug flavor at half its width with a quarter of its experts (dim 128, 4 heads, 2 experts),
+    for trainer tests whose MoE kernels run in the interpreter, where the cost is per program."""
     import dataclasses
 
     from models.qwen3.args import FLAVORS
 
-    monkeypatch.setitem(FLAVORS, "debug", dataclasses.replace(FLAVORS["debug"], dim=128, n_heads=4, num_experts=4))
+    monkeypatch.setitem(FLAVORS, "debug", dataclasses.replace(FLAVORS["debug"], dim=128, n_heads=4, num_experts=2))
 
 
 _TIER_SECONDS: dict[str, float] = defaultdict(float)
