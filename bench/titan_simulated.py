@@ -31,7 +31,7 @@ from parallelisms.simulate import init_simulated_world
 
 def simulation_line(world_size: int) -> str:
     return (f"simulating rank 0 of {world_size} ranks in one process (upstream TorchTitan, loopback "
-            "collectives: no communication; step times and tokens/s exclude it)")
+            "collectives: no communication; the local copies standing in for it are in the step times)")
 
 
 def _torchtitan_main() -> None:

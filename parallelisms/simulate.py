@@ -309,5 +309,5 @@ def loopback_copy_seconds() -> float:
 def simulation_line(world_size: int) -> str:
     """What the trainer prints at start of a simulated run."""
     return (f"simulating rank 0 of {world_size} ranks in one process: collectives are looped back (no "
-            f"communication; step times and tokens/s exclude it, but not the loopback copies, which each "
-            f"line reports and its compute-only figures leave out), memory and compute are one rank's")
+            f"communication, but the local copies standing in for it are in the step times; each line gives "
+            f"them and the compute-only time without them), memory and compute are one rank's")
