@@ -164,8 +164,9 @@ class Parallelism:
     simulate_world_size: int = _field(0, "0 = off; N >= 2: one process (no torchrun) acts as rank 0 of an N-rank "
                                       "job: the real meshes, FSDP2 sharding, EP layout and compile of one rank, "
                                       "with collectives looped back (no communication), for per-rank memory and "
-                                      "compute; data_parallel_shard_degree = -1 resolves against N. Checkpointing "
-                                      "must be off (docs/expert_parallel.md)", ge=0)
+                                      "compute (each metrics line also gives the step without the loopback copies: "
+                                      "compute only); data_parallel_shard_degree = -1 resolves against N. "
+                                      "Checkpointing must be off (docs/expert_parallel.md)", ge=0)
 
 
 @dataclass
