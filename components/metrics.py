@@ -162,10 +162,10 @@ class MetricsLogger:
             return "summary: no steps were run"
         ran = sorted(self.step_times)
         lo, hi, note = summary_window(ran[0], ran[-1], self.cfg.summary_start_step, self.cfg.summary_end_step)
-        window = [self.step_times[s] for s in ran if lo <= s <= hi]
+        window_steps = [s for s in ran if lo <= s <= hi]
+        window = [self.step_times[s] for s in window_steps]
         mean_dt = sum(window) / len(window)
         mean_tps = sum(self.tokens_per_step / t for t in window) / len(window)
-        window_steps = [s for s in ran if lo <= s <= hi]
         tflops = mean_tps * self.flops_per_token / 1e12
         mfu = f"{100 * tflops / self.peak_tflops:.1f}%" if self.peak_tflops else "n/a"
         step, loss = self.final_loss

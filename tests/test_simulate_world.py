@@ -317,8 +317,8 @@ def _saved_outside_regions(tmp_path, layers: int) -> collections.Counter:
 def test_kept_attention_holds_no_exchange_buffers(tmp_path):
     """keep = "attention" under compile with EP: a block holds the attention core's tensors (q, k, v,
     output, log-sum-exp), its input and its gathered parameters, not the EP exchange's buffers, the
-    gathered expert weights or the combine's float32 slot rows. (On torch 2.11 it held those, ~1.2 GB
-    more per layer at 30B: collectives and the ops inside autograd Functions escaped the regions' tags.)"""
+    gathered expert weights or the combine's float32 slot rows. (Without a per-op policy torch 2.11
+    held those: collectives and the ops inside autograd Functions escaped the regions' tags.)"""
     from models.qwen3.args import FLAVORS
 
     one, two = _saved_outside_regions(tmp_path, 1), _saved_outside_regions(tmp_path, 2)

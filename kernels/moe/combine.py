@@ -115,6 +115,15 @@ def one_slot_output(buf_ND: torch.Tensor, sorted_slot_N: torch.Tensor, offsets_E
     return buf_ND
 
 
+def combine_slots(ybuf_ND: torch.Tensor, num_tokens: int, top_k: int, sorted_slot_N: torch.Tensor,
+                  offsets_E1: torch.Tensor) -> torch.Tensor:
+    """The ops' combine: each token's sum over its k slot rows of ``ybuf_ND``, empty slots skipped
+    (:func:`sum_over_k`); at top_k = 1 the slot rows themselves (:func:`one_slot_output`, in place)."""
+    if top_k == 1:
+        return one_slot_output(ybuf_ND, sorted_slot_N, offsets_E1)
+    return sum_over_k(ybuf_ND, num_tokens, top_k, valid_slots(sorted_slot_N, offsets_E1))
+
+
 def valid_slots(sorted_slot_N: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
     """(N,) int8, 1 where the slot has an expert: empty slots (id -1) sort after the last expert's
     rows, i.e. at rows >= offsets_E1[E]."""

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe.combine import one_slot_output, sum_over_k, valid_slots
+from kernels.moe.combine import combine_slots
 from kernels.moe.mega.configs import MegaMoEConfigs, TileConfig, get_configs
 from kernels.moe.routing import sort_by_expert, tile_table
 from kernels.triton_utils import launch_flags, load_k, m_tile_rows, m_tiled_launch, mma, n_tile_cols, num_work
@@ -222,8 +222,5 @@ def moe_forward(
     if configs.down.block_m != configs.gate_up.block_m:
         tiles = None
     ybuf_ND = down(a_NF, w2_EDF, topk_weights_TK, sorted_slot_N, offsets_E1, configs.down, tiles)
-    if K == 1:
-        y_TD = one_slot_output(ybuf_ND, sorted_slot_N, offsets_E1)
-    else:
-        y_TD = sum_over_k(ybuf_ND, T, K, valid_slots(sorted_slot_N, offsets_E1))
+    y_TD = combine_slots(ybuf_ND, T, K, sorted_slot_N, offsets_E1)
     return y_TD, h_N2F, sorted_slot_N, offsets_E1

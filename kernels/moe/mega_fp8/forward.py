@@ -25,7 +25,7 @@ import torch
 from kernels.fp8.grouped_gemm import fp8_gate_up_swiglu, fp8_grouped_gemm
 from kernels.fp8.blockwise import quantize_1x128, quantize_weight
 from kernels.triton_utils import interpreting
-from kernels.moe.combine import one_slot_output, sum_over_k, valid_slots
+from kernels.moe.combine import combine_slots
 from kernels.moe.routing import sort_by_expert, tile_table
 from kernels.moe.mega_fp8.weights import QuantizedExpertWeights
 
@@ -115,9 +115,6 @@ def moe_fp8_forward(
     ybuf_ND = grouped_gemm(a_q, a_s, w2_q, w2_s, offsets_E1, x_TD.dtype, engine,
                            tiles_gu if bm_gu == gemm_blocks()[0] else None, out_slot_N=sorted_slot_N,
                            slot_weights_N=topk_weights_TK.view(-1))
-    if K == 1:
-        y_TD = one_slot_output(ybuf_ND, sorted_slot_N, offsets_E1)
-    else:
-        y_TD = sum_over_k(ybuf_ND, T, K, valid_slots(sorted_slot_N, offsets_E1))
+    y_TD = combine_slots(ybuf_ND, T, K, sorted_slot_N, offsets_E1)
     return y_TD, h_N2F, sorted_slot_N, offsets_E1
 
