@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe.combine import sum_over_k, valid_slots
+from kernels.moe.combine import combine_slots, sum_over_k, valid_slots
 from kernels.moe.grouped_mm import grouped_mm
 from kernels.moe.mega.configs import MegaMoEConfigs, TileConfig, get_configs
 from kernels.moe.routing import tile_table
@@ -446,7 +446,7 @@ def moe_backward(
         if configs.dx.block_m != configs.dh.block_m:
             tiles = None
         dxbuf_ND = dx_slots(dh_N2F, w1_EFD, w3_EFD, sorted_slot_N, offsets_E1, configs.dx, tiles)
-        dx_TD = sum_over_k(dxbuf_ND, T, K, valid_N)
+        dx_TD = combine_slots(dxbuf_ND, T, K, sorted_slot_N, offsets_E1)
         del dxbuf_ND
     ds_TK = torch.where(valid_N.view(T, K) != 0, ds_TK, 0.0)
     if gmm:
@@ -478,19 +478,21 @@ def dx_grouped_mm(
     valid_N: torch.Tensor,
     top_k: int,
 ) -> torch.Tensor:
-    """dx[t] = sum_k (dgate @ w1[e] + dup @ w3[e]) of slot t*K+k, the two products by cuBLAS into
-    expert-sorted rows, then one deterministic gather-sum over k of both buffers.
+    """dx[t] = sum_k [dgate | dup] @ [w1[e]; w3[e]] of slot t*K+k: one cuBLAS product over 2F into
+    expert-sorted rows, then one deterministic gather-sum over k.
 
     dh_N2F: (N, 2F) expert-sorted rows; w1_EFD, w3_EFD: (E, F, D); valid_N: (N,) int8 from
     ``combine.valid_slots``. Returns (N // top_k, D) in dH's dtype."""
-    N, F = dh_N2F.shape[0], dh_N2F.shape[1] // 2
-    ends_E = offsets_E1[1:]
-    dxg_ND = grouped_mm(dh_N2F[:, :F], w1_EFD, ends_E)
-    dxu_ND = grouped_mm(dh_N2F[:, F:], w3_EFD, ends_E)
+    N = dh_N2F.shape[0]
+    # One product over the stacked weights instead of one per weight: a single (N, D) buffer is
+    # written and read, and the GEMM's reduction is twice as deep.
+    w13_E2FD = torch.cat([w1_EFD, w3_EFD], dim=1)
+    dx_ND = grouped_mm(dh_N2F, w13_E2FD, offsets_E1[1:])
+    del w13_E2FD
     # row_of_slot[sorted_slot[r]] = r: where each (token, k) slot's row landed.
     row_of_slot_N = torch.empty_like(sorted_slot_N).scatter_(
         0, sorted_slot_N.long(), torch.arange(N, device=sorted_slot_N.device, dtype=sorted_slot_N.dtype))
-    return sum_over_k(dxg_ND, N // top_k, top_k, valid_N, row_of_slot_N=row_of_slot_N, buf2_ND=dxu_ND)
+    return sum_over_k(dx_ND, N // top_k, top_k, valid_N, row_of_slot_N=row_of_slot_N)
 
 
 def dh_grouped_mm(

@@ -46,7 +46,7 @@ from kernels.fp8.blockwise import (
     to_e4m3_bits,
 )
 from kernels.moe.mega.backward import dw13, dw2
-from kernels.moe.combine import sum_over_k, valid_slots
+from kernels.moe.combine import combine_slots, valid_slots
 from kernels.triton_utils import cast_out, tile_rows
 from kernels.moe.mega.configs import get_configs
 from kernels.moe.routing import max_tiles, tile_table
@@ -333,7 +333,7 @@ def moe_fp8_backward(
     del dh_q, dh_s, w13t_q, w13t_s
     # Empty slots' rows lie past every expert's tiles: skipped in the sum, zeroed in ds.
     valid_N = valid_slots(sorted_slot_N, offsets_E1)
-    dx_TD = sum_over_k(dxbuf_ND, T, K, valid_N)
+    dx_TD = combine_slots(dxbuf_ND, T, K, sorted_slot_N, offsets_E1)
     del dxbuf_ND
     ds_TK = torch.where(valid_N.view(T, K) != 0, ds_TK, 0.0)
 
