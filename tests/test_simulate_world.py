@@ -289,6 +289,22 @@ def test_compiled_blocks_train_in_a_simulated_world(tmp_path, capsys):
     assert sorted(steps) == [1, 2] and all(math.isfinite(s["loss"]) for s in steps.values()), out
 
 
+def test_compiled_blocks_of_two_widths_in_one_process(tmp_path, capsys, monkeypatch):
+    """One process compiling FSDP-wrapped blocks of one width and then of another with other head
+    counts (as the test suite does) trains both: dynamo reads FSDP modules' ints as symbolic once
+    they change, and SDPA's enable_gqa takes a bool only."""
+    import dataclasses
+
+    from models.qwen3.args import FLAVORS
+
+    debug = FLAVORS["debug"]
+    for n_heads in (4, debug.n_heads):
+        monkeypatch.setitem(FLAVORS, "debug", dataclasses.replace(debug, n_heads=n_heads))
+        out = run_simulated(tmp_path / f"heads{n_heads}", capsys, SIM, "2", "--compile.enable",
+                            "--compile.loss", "false", "--training.steps", "1")
+        assert all(math.isfinite(s["loss"]) for s in logged_steps(out).values()), out
+
+
 def _saved_outside_regions(tmp_path, layers: int) -> collections.Counter:
     """Shapes of the tensors one forward saves for backward outside the recomputed regions (other than
     parameters and buffers): rank 0 of 4, EP 2, compiled, bf16, full AC keeping the attention core."""

@@ -74,6 +74,9 @@ class Attention(nn.Module):
             raise ValueError(f"unknown attention backend {attention_backend!r}; known: {', '.join(ATTENTION_BACKENDS)}")
         self.sdpa_backends = ATTENTION_BACKENDS[attention_backend]
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        # A bool fixed here, not compared per call: once a process has compiled blocks of another
+        # width, dynamo makes int module attributes symbolic, and SDPA's enable_gqa takes no SymBool.
+        self.gqa = args.n_heads != args.n_kv_heads
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
@@ -97,11 +100,10 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal SDPA: (B, H, L, d)."""
-        gqa = self.n_heads != self.n_kv_heads
         if self.sdpa_backends is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
         with sdpa_kernel(self.sdpa_backends, set_priority=True):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
 
     def project_out(self, out_BHLd: torch.Tensor) -> torch.Tensor:
         B, _, L, _ = out_BHLd.shape
