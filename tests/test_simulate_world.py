@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from components.config import ConfigError
 from parallelisms.simulate import init_simulated_world
-from tests.utils import logged_steps, make_trainer, trainer_args
+from tests.utils import logged_steps, make_trainer, run_losses, trainer_args
 from train import main
 
 SIM = "--parallelism.simulate_world_size"
@@ -303,6 +303,38 @@ def test_compiled_blocks_of_two_widths_in_one_process(tmp_path, capsys, monkeypa
         out = run_simulated(tmp_path / f"heads{n_heads}", capsys, SIM, "2", "--compile.enable",
                             "--compile.loss", "false", "--training.steps", "1")
         assert all(math.isfinite(s["loss"]) for s in logged_steps(out).values()), out
+
+
+@pytest.mark.parametrize("keep", ["none", "attention"])
+def test_compiled_step_runs_each_exchange_once(tmp_path, monkeypatch, keep):
+    """A compiled EP step sends the token rows 6 times per layer, no more: dispatch and return in the
+    forward, again in the recomputation, and their two backward all-to-alls. torch 2.11 traced the
+    exchange twice into the forward graph when the combine was an opaque op (8-9 per layer: an extra
+    exchange and expert forward per layer on the GPU machine's torch)."""
+    from parallelisms.simulate import LoopbackGroup
+
+    rows_sent = []
+    exchange = LoopbackGroup.all_to_all_single
+
+    def counted(self, output, *args, **kwargs):
+        if output.dim() == 2:  # the token rows (the expert ids travel as a vector)
+            rows_sent.append(tuple(output.shape))
+        return exchange(self, output, *args, **kwargs)
+
+    monkeypatch.setattr(LoopbackGroup, "all_to_all_single", counted)
+    monkeypatch.setattr(LoopbackGroup, "alltoall_base", counted)
+    layers = 2
+    trainer = make_trainer(tmp_path, *TINY, SIM, "4", EP, "2", "--model.n_layers", str(layers), "--compile.enable",
+                           "--compile.backend", "aot_eager", "--compile.loss", "false",
+                           "--training.mixed_precision_param", "bfloat16", "--activation_checkpoint.mode", "full",
+                           "--activation_checkpoint.keep", keep)
+    try:
+        run_losses(trainer, 1)  # compiles (and may run collectives while tracing)
+        rows_sent.clear()
+        run_losses(trainer, 2)
+    finally:
+        dist.destroy_process_group()
+    assert len(rows_sent) == 6 * layers * 2, rows_sent
 
 
 def _saved_outside_regions(tmp_path, layers: int) -> collections.Counter:
