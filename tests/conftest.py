@@ -16,6 +16,7 @@ Shared helpers live in tests/utils.py; the shared fixture is below.
 """
 
 import os
+import sys
 import time
 from collections import defaultdict
 
@@ -92,6 +93,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(getattr(pytest.mark, tier))
         if _is_gpu_only(item):
             item.add_marker(pytest.mark.gpu)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles from a clean dynamo state: blocks of many widths compiled in one process
+    otherwise add up against dynamo's per-code-object recompile limit, and a fullgraph compile then
+    fails depending on test order (inductor's on-disk cache still serves the kernels)."""
+    yield
+    if "torch._dynamo" in sys.modules:
+        sys.modules["torch._dynamo"].reset()
 
 
 @pytest.fixture
