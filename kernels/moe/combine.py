@@ -13,7 +13,6 @@ from kernels.triton_utils import cast_out, interpreting
 @triton.jit
 def _sum_over_k_kernel(
     buf_ptr,  # (N, D) rows by slot t*K+k, or by expert-sorted row if GATHER
-    buf2_ptr,  # (N, D) a second buffer of the same layout, added (read only if TWO)
     row_ptr,  # (N,) int32 row of each slot (read only if GATHER)
     out_ptr,  # (T, D)
     valid_ptr,  # (T*K,) int8: 0 for an empty slot (expert id -1), whose row was never written
@@ -23,7 +22,6 @@ def _sum_over_k_kernel(
     BLOCK_D: tl.constexpr,
     HAS_EMPTY: tl.constexpr,
     GATHER: tl.constexpr,
-    TWO: tl.constexpr,
     SOFT: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -37,10 +35,7 @@ def _sum_over_k_kernel(
     if HAS_EMPTY:
         kmask = kmask & (tl.load(valid_ptr + slot, mask=k < K_TOP, other=0) != 0)
     mask = kmask[:, None] & (d < D)[None, :]
-    offs = row[:, None] * D + d[None, :]
-    vals = tl.load(buf_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if TWO:
-        vals += tl.load(buf2_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    vals = tl.load(buf_ptr + row[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
     # A fixed-order sum in registers: deterministic, unlike float atomics into out.
     tl.store(out_ptr + t * D + d, cast_out(tl.sum(vals, axis=0), out_ptr.dtype.element_ty, SOFT), mask=d < D)
 
@@ -51,16 +46,14 @@ def sum_over_k(
     top_k: int,
     valid_N: torch.Tensor | None = None,
     row_of_slot_N: torch.Tensor | None = None,
-    buf2_ND: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """out[t] = sum_k buf[row(t*K + k)] (+ buf2[same row]), accumulated in fp32, in buf's dtype.
+    """out[t] = sum_k buf[row(t*K + k)], accumulated in fp32, in buf's dtype.
 
     Args:
         buf_ND: (T*K, D) rows written per (token, k) slot by a GEMM epilogue, or, with
             ``row_of_slot_N``, rows in any order (e.g. expert-sorted) that the index maps slots to.
         valid_N: optional (T*K,) int8, 0 for empty slots (expert id -1): their rows are skipped.
         row_of_slot_N: optional (T*K,) int32 row of ``buf_ND`` holding each slot.
-        buf2_ND: optional second buffer of ``buf_ND``'s layout, summed with it.
     Returns:
         (T, D) tensor.
     """
@@ -70,10 +63,10 @@ def sum_over_k(
         return out_TD
     block_d = min(triton.next_power_of_2(D), 1024 if not interpreting() else 128)
     _sum_over_k_kernel[(num_tokens, triton.cdiv(D, block_d))](
-        buf_ND, buf_ND if buf2_ND is None else buf2_ND, buf_ND if row_of_slot_N is None else row_of_slot_N,
+        buf_ND, buf_ND if row_of_slot_N is None else row_of_slot_N,
         out_TD, buf_ND if valid_N is None else valid_N, top_k, D,
         K_POW2=triton.next_power_of_2(top_k), BLOCK_D=block_d, HAS_EMPTY=valid_N is not None,
-        GATHER=row_of_slot_N is not None, TWO=buf2_ND is not None, SOFT=interpreting(), num_warps=4,
+        GATHER=row_of_slot_N is not None, SOFT=interpreting(), num_warps=4,
     )  # fmt: skip
     return out_TD
 
@@ -116,12 +109,15 @@ def one_slot_output(buf_ND: torch.Tensor, sorted_slot_N: torch.Tensor, offsets_E
 
 
 def combine_slots(ybuf_ND: torch.Tensor, num_tokens: int, top_k: int, sorted_slot_N: torch.Tensor,
-                  offsets_E1: torch.Tensor) -> torch.Tensor:
+                  offsets_E1: torch.Tensor, valid_N: torch.Tensor | None = None) -> torch.Tensor:
     """The ops' combine: each token's sum over its k slot rows of ``ybuf_ND``, empty slots skipped
-    (:func:`sum_over_k`); at top_k = 1 the slot rows themselves (:func:`one_slot_output`, in place)."""
+    (:func:`sum_over_k`); at top_k = 1 the slot rows themselves (:func:`one_slot_output`, in place).
+    ``valid_N``: :func:`valid_slots`' mask where the caller has it already (made here otherwise)."""
     if top_k == 1:
         return one_slot_output(ybuf_ND, sorted_slot_N, offsets_E1)
-    return sum_over_k(ybuf_ND, num_tokens, top_k, valid_slots(sorted_slot_N, offsets_E1))
+    if valid_N is None:
+        valid_N = valid_slots(sorted_slot_N, offsets_E1)
+    return sum_over_k(ybuf_ND, num_tokens, top_k, valid_N)
 
 
 def valid_slots(sorted_slot_N: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:

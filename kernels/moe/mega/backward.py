@@ -446,7 +446,7 @@ def moe_backward(
         if configs.dx.block_m != configs.dh.block_m:
             tiles = None
         dxbuf_ND = dx_slots(dh_N2F, w1_EFD, w3_EFD, sorted_slot_N, offsets_E1, configs.dx, tiles)
-        dx_TD = combine_slots(dxbuf_ND, T, K, sorted_slot_N, offsets_E1)
+        dx_TD = combine_slots(dxbuf_ND, T, K, sorted_slot_N, offsets_E1, valid_N)
         del dxbuf_ND
     ds_TK = torch.where(valid_N.view(T, K) != 0, ds_TK, 0.0)
     if gmm:

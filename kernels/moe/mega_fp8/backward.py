@@ -333,7 +333,7 @@ def moe_fp8_backward(
     del dh_q, dh_s, w13t_q, w13t_s
     # Empty slots' rows lie past every expert's tiles: skipped in the sum, zeroed in ds.
     valid_N = valid_slots(sorted_slot_N, offsets_E1)
-    dx_TD = combine_slots(dxbuf_ND, T, K, sorted_slot_N, offsets_E1)
+    dx_TD = combine_slots(dxbuf_ND, T, K, sorted_slot_N, offsets_E1, valid_N)
     del dxbuf_ND
     ds_TK = torch.where(valid_N.view(T, K) != 0, ds_TK, 0.0)
 
