@@ -70,7 +70,7 @@ class _GatherSlotRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_RD: torch.Tensor):
         (slot_row_TK,) = ctx.saved_tensors
-        return _slot_outputs(grad_RD, slot_row_TK).sum(dim=1).to(grad_RD.dtype), None, None
+        return _sum_slot_rows(grad_RD, slot_row_TK).to(grad_RD.dtype), None, None
 
 
 class _CombineSlotRows(torch.autograd.Function):
@@ -82,8 +82,7 @@ class _CombineSlotRows(torch.autograd.Function):
     def forward(ctx, y_RD: torch.Tensor, w_TK: torch.Tensor, slot_row_TK: torch.Tensor, row_slot_R: torch.Tensor,
                 dtype: torch.dtype) -> torch.Tensor:
         ctx.save_for_backward(y_RD, w_TK, slot_row_TK, row_slot_R)
-        acc = _acc(y_RD.dtype)
-        return (_slot_outputs(y_RD, slot_row_TK) * w_TK.to(acc).unsqueeze(-1)).sum(dim=1).to(dtype)
+        return _sum_slot_rows(y_RD, slot_row_TK, w_TK).to(dtype)
 
     @staticmethod
     def backward(ctx, grad_TD: torch.Tensor):
@@ -104,6 +103,22 @@ class _CombineSlotRows(torch.autograd.Function):
 def _acc(dtype: torch.dtype) -> torch.dtype:
     """The sums' dtype: float32, or the inputs' where wider."""
     return torch.promote_types(dtype, torch.float32)
+
+
+def _sum_slot_rows(y_RD: torch.Tensor, slot_row_TK: torch.Tensor, w_TK: torch.Tensor | None = None) -> torch.Tensor:
+    """(T, D) in :func:`_acc`'s dtype: sum over k of each slot's row of ``y_RD`` (times ``w_TK``),
+    dropped slots (row R) adding nothing. Written as K gathers added in k order rather than a
+    reduction over a (T, K, D) gather: inductor then makes one pointwise kernel whose loads run
+    along D, where its reduction over the middle dim read rows at a fraction of the memory rate."""
+    R, acc = y_RD.shape[0], _acc(y_RD.dtype)
+    out_TD = None
+    for k in range(slot_row_TK.shape[1]):
+        row_T = slot_row_TK[:, k]
+        term_TD = torch.where((row_T < R).unsqueeze(-1), y_RD[row_T.clamp(max=R - 1)].to(acc), 0.0)
+        if w_TK is not None:
+            term_TD = term_TD * w_TK[:, k].to(acc).unsqueeze(-1)
+        out_TD = term_TD if out_TD is None else out_TD + term_TD
+    return out_TD
 
 
 def _slot_outputs(y_RD: torch.Tensor, slot_row_TK: torch.Tensor) -> torch.Tensor:

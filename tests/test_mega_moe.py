@@ -18,7 +18,7 @@ triton = pytest.importorskip("triton")
 from kernels.moe.mega import get_configs, mega_moe, moe_backward, moe_forward  # noqa: E402
 from kernels.moe.mega import forward as _fwd_module  # noqa: E402
 from kernels.moe.combine import one_slot_output  # noqa: E402
-from kernels.moe.routing import max_tiles, num_real_tiles, sort_by_expert, tile_table  # noqa: E402
+from kernels.moe.routing import gather_sorted_rows, max_tiles, num_real_tiles, sort_by_expert, tile_table  # noqa: E402
 from tests.triton_interpreter import DEVICE, skip_unless_runnable  # noqa: E402
 from tests.triton_interpreter import HAS_CUDA as _HAS_CUDA  # noqa: E402
 from tests.utils import make_routing, random_seed, rel_error  # noqa: E402
@@ -164,6 +164,24 @@ def test_one_slot_output_zeroes_only_empty_slots():
     out = one_slot_output(buf, slots, offs)
     assert out.data_ptr() == buf.data_ptr()
     assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+@pytest.mark.parametrize("K,kind", [(1, "empty_slots"), (3, "empty_slots"), (8, "random")])
+def test_gather_sorted_rows(K, kind, dtype):
+    """The backward's expert-order operand copy equals index_select on the rows that belong to an
+    expert and writes nothing past them (here NaN-filled bytes would show as changes)."""
+    seed = random_seed()
+    T, E, D = 37, 9, 72
+    ids, _ = make_routing(T, K, E, kind)
+    slots, offs = sort_by_expert(ids.to(torch.int32), E)
+    src = (torch.randn(T, D, device=DEVICE) * 50).to(dtype)
+    end = int(offs[-1])
+    assert end < T * K or kind == "random"
+    out = gather_sorted_rows(src, slots, offs, K)
+    assert out.shape == (T * K, D) and out.dtype == dtype
+    expected = src.index_select(0, (slots // K).long())
+    assert torch.equal(out[:end], expected[:end]), f"seed={seed}"
 
 
 @pytest.mark.parametrize("grouped_mm_backward", [False, True])

@@ -117,3 +117,48 @@ def tile_table(offsets_E1: torch.Tensor, num_rows: int, block_m: int) -> torch.T
         num_warps=4,
     )
     return table
+
+
+@triton.jit
+def _gather_sorted_rows_kernel(
+    src_ptr,  # (T, D)
+    sorted_slot_ptr,  # (N,) int32 slot t*K+k of each expert-sorted row
+    end_ptr,  # pointer to offsets_E1[E]: rows from here on are empty slots'
+    out_ptr,  # (N, D) out
+    K_TOP,
+    D,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    first = tl.program_id(0) * BLOCK_R
+    end = tl.load(end_ptr)
+    if first < end:
+        r = first + tl.arange(0, BLOCK_R)
+        rmask = r < end
+        tok = (tl.load(sorted_slot_ptr + r, mask=rmask, other=0) // K_TOP).to(tl.int64)
+        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        mask = rmask[:, None] & (d < D)[None, :]
+        vals = tl.load(src_ptr + tok[:, None] * D + d[None, :], mask=mask)
+        tl.store(out_ptr + r.to(tl.int64)[:, None] * D + d[None, :], vals, mask=mask)
+
+
+def gather_sorted_rows(src_TD: torch.Tensor, sorted_slot_N: torch.Tensor, offsets_E1: torch.Tensor,
+                       top_k: int) -> torch.Tensor:
+    """Each expert-sorted row's token row: ``src_TD.index_select(0, sorted_slot_N // top_k)`` for the
+    rows before ``offsets_E1[E]``, the operand layout of a grouped GEMM that takes no row index.
+    The rows of empty slots (from ``offsets_E1[E]`` on) are left unwritten: no group reads them, and
+    under expert parallelism they are half the receive buffer at the default capacity.
+
+    src_TD: (T, D) contiguous, any dtype (FP8 as a byte view works too). Returns (N, D)."""
+    from kernels.triton_utils import interpreting  # triton_utils imports this module
+
+    N, (_, D) = sorted_slot_N.numel(), src_TD.shape
+    out_ND = torch.empty((N, D), device=src_TD.device, dtype=src_TD.dtype)
+    if N == 0 or D == 0:
+        return out_ND
+    block_d = min(triton.next_power_of_2(D), 64 if interpreting() else max(16, 1024 // src_TD.element_size()))
+    block_r = 4 if interpreting() else 16
+    _gather_sorted_rows_kernel[(triton.cdiv(N, block_r), triton.cdiv(D, block_d))](
+        src_TD, sorted_slot_N, offsets_E1[-1:], out_ND, top_k, D, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
+    )  # fmt: skip
+    return out_ND

@@ -34,7 +34,7 @@ import triton.language as tl
 from kernels.moe.combine import combine_slots, sum_over_k, valid_slots
 from kernels.moe.grouped_mm import grouped_mm
 from kernels.moe.mega.configs import MegaMoEConfigs, TileConfig, get_configs
-from kernels.moe.routing import tile_table
+from kernels.moe.routing import gather_sorted_rows, tile_table
 from kernels.triton_utils import (expert_tile, interpreting, launch_flags, launch_options, load_k, m_tile_rows,
                                   m_tiled_launch, mma, n_tile_cols, num_work)
 
@@ -430,10 +430,9 @@ def moe_backward(
         configs = get_configs(D, F, E, x_TD.dtype)
     gmm = _use_grouped_mm(configs, x_TD)
     if gmm:
-        tok_N = (sorted_slot_N // K).long()
         # dy rows in expert order, for cuBLAS (which takes no row index); rows of empty slots (past
-        # offsets_E1[E]) belong to no group.
-        dys_ND = dy_TD.index_select(0, tok_N)
+        # offsets_E1[E]) belong to no group and stay unwritten.
+        dys_ND = gather_sorted_rows(dy_TD, sorted_slot_N, offsets_E1, K)
         dh_N2F, ds_TK, sa_NF = dh_grouped_mm(dys_ND, w2_EDF, h_N2F, topk_weights_TK, sorted_slot_N, offsets_E1)
     else:
         tiles = tile_table(offsets_E1, N, configs.dh.block_m)  # shared with dx when their block_m match
@@ -453,7 +452,7 @@ def moe_backward(
         ends_E = offsets_E1[1:]
         dw2_EDF = grouped_mm(dys_ND.t(), sa_NF, ends_E)
         del dys_ND, sa_NF
-        xs_ND = x_TD.index_select(0, tok_N)
+        xs_ND = gather_sorted_rows(x_TD, sorted_slot_N, offsets_E1, K)
         dw1_EFD = grouped_mm(dh_N2F[:, :F].t(), xs_ND, ends_E)
         dw3_EFD = grouped_mm(dh_N2F[:, F:].t(), xs_ND, ends_E)
         return dx_TD, dw1_EFD, dw3_EFD, dw2_EDF, ds_TK

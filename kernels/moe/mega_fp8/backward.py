@@ -49,7 +49,7 @@ from kernels.moe.mega.backward import dw13, dw2
 from kernels.moe.combine import combine_slots, valid_slots
 from kernels.triton_utils import cast_out, tile_rows
 from kernels.moe.mega.configs import get_configs
-from kernels.moe.routing import max_tiles, tile_table
+from kernels.moe.routing import gather_sorted_rows, max_tiles, tile_table
 from kernels.moe.mega_fp8.forward import gemm_blocks, grouped_gemm
 from kernels.moe.mega_fp8.weights import QuantizedExpertWeights
 
@@ -208,10 +208,10 @@ def dh_swiglu(
         return dh_N2F, (dh_q, dh_s), ds_part_PN.sum(0).view(T, K), sa_NF
     if engine == "gluon":
         # dy's rows in expert order (e4m3 moved as bytes); rows past the experts' are never read.
-        tok_N = torch.div(sorted_slot_N, K, rounding_mode="floor")
-        dyg_q = dy_q.view(torch.uint8).index_select(0, tok_N).view(FP8)
-        da_NF = grouped_gemm(dyg_q, dy_s.index_select(0, tok_N), w2t_q, w2t_s, offsets_E1, torch.float32, engine)
-        del dyg_q
+        dyg_q = gather_sorted_rows(dy_q.view(torch.uint8), sorted_slot_N, offsets_E1, K).view(FP8)
+        dyg_s = gather_sorted_rows(dy_s, sorted_slot_N, offsets_E1, K)
+        da_NF = grouped_gemm(dyg_q, dyg_s, w2t_q, w2t_s, offsets_E1, torch.float32, engine)
+        del dyg_q, dyg_s
     else:
         gbm, _ = gemm_blocks()
         da_NF = fp8_grouped_gemm(dy_q, dy_s, w2t_q, w2t_s, offsets_E1, sorted_slot_N, K, out_dtype=torch.float32,
