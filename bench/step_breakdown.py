@@ -156,9 +156,10 @@ def _length(spans: list[tuple[float, float]]) -> float:
 
 
 def breakdown(trace: dict[str, Any] | list, steps: int, vocab_min: int = 100_000, top: int = 25,
-              top_gaps: int = 10) -> dict[str, Any]:
-    """Per-part GPU ms per step, the step's wall and idle ms, the ``top`` kernels by time and the
-    ``top_gaps`` largest idle gaps by the kernels around them."""
+              top_gaps: int = 10, long_gap_us: float = 1000.0) -> dict[str, Any]:
+    """Per-part GPU ms per step, the step's wall and idle ms, the ``top`` kernels by time, the
+    ``top_gaps`` largest idle gaps by the kernels around them, and what the host ran during the gaps
+    of at least ``long_gap_us`` (:func:`_host_during`)."""
     events = [e for e in _events(trace) if e.get("ph") == "X"]
     cpu = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation")]
     ops_by_ext = {e["args"]["External id"]: e for e in cpu if "External id" in e.get("args", {})}
@@ -176,6 +177,7 @@ def breakdown(trace: dict[str, Any] | list, steps: int, vocab_min: int = 100_000
     if not gpu:
         raise ValueError("the trace has no GPU kernels: profile a CUDA run ([profiling] enable_profiling on a GPU)")
     per_part: dict[str, float] = defaultdict(float)
+    launch_of: list[dict[str, Any] | None] = []
     per_kernel: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
     parts: list[str] = []
     for k in gpu:
@@ -186,6 +188,7 @@ def breakdown(trace: dict[str, Any] | list, steps: int, vocab_min: int = 100_000
             op = ops_by_ext.get(launch.get("args", {}).get("External id"))
         chain = _chain(op, parent, by_tid, starts, launch["ts"] if launch else None,
                        launch.get("tid") if launch else None)
+        launch_of.append(launch)
         if k["cat"] == "kernel":
             part = classify(k["name"], chain, vocab_min)
         else:  # a copy made by a collective (a simulated world's loopback) is its communication
@@ -209,6 +212,7 @@ def breakdown(trace: dict[str, Any] | list, steps: int, vocab_min: int = 100_000
     # pair around it and summed over the steps, so a recurring bubble (a host sync, a launch-bound
     # stretch) shows up by its neighbours.
     gaps: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    host: dict[tuple[str, str], float] = defaultdict(float)
     end, last = None, None
     for i in sorted(range(len(gpu)), key=lambda i: gpu[i]["ts"]):
         k = gpu[i]
@@ -216,6 +220,9 @@ def breakdown(trace: dict[str, Any] | list, steps: int, vocab_min: int = 100_000
             entry = gaps[(f"{parts[last]}: {gpu[last]['name']}", f"{parts[i]}: {k['name']}")]
             entry[0] += k["ts"] - end
             entry[1] += 1
+            launch = launch_of[i]
+            if k["ts"] - end >= long_gap_us and launch is not None and launch.get("tid") in by_tid:
+                _host_during(end, min(k["ts"], launch["ts"]), by_tid[launch.get("tid")], parent, host)
         if end is None or k["ts"] + k["dur"] > end:
             end, last = k["ts"] + k["dur"], i
     idle_gaps = sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top_gaps]
@@ -229,7 +236,40 @@ def breakdown(trace: dict[str, Any] | list, steps: int, vocab_min: int = 100_000
         "parts_ms": {p: per_part.get(p, 0.0) * ms for p in PARTS},
         "top_kernels": [{"part": p, "name": n, "ms": t * ms, "calls": c / steps} for (p, n), (t, c) in kernels],
         "idle_gaps": [{"after": a, "before": b, "ms": t * ms, "count": c / steps} for (a, b), (t, c) in idle_gaps],
+        "long_gap_ms": long_gap_us / 1e3,
+        "long_gap_host": [{"within": w, "op": o, "ms": t * ms}
+                          for (w, o), t in sorted(host.items(), key=lambda kv: -kv[1])[:top_gaps]],
     }
+
+
+def _host_during(t0: float, t1: float, evs: list[dict[str, Any]], parent: dict[int, dict[str, Any] | None],
+                 out: dict[tuple[str, str], float]) -> None:
+    """Charge the host time [t0, t1) of an idle gap (until the launch of the kernel that ends it) to
+    the CPU ops of the launching thread that ran then: each op whose parent encloses the whole span
+    and that overlaps it, keyed by (that parent's name, its name). A gap the launch did not wait for
+    (t1 <= t0) charges nothing; the span outside any op is charged to (parent, "(no op)")."""
+    if t1 <= t0:
+        return
+    enclosing, children = None, []
+    for ev in evs:
+        s, e = ev["ts"], ev["ts"] + ev.get("dur", 0)
+        if s >= t1:
+            break
+        if e <= t0:
+            continue
+        if s <= t0 and e >= t1:
+            enclosing = ev  # sorted by start, so the last one found is the innermost
+        else:
+            children.append(ev)
+    name = enclosing["name"] if enclosing is not None else "(none)"
+    charged = 0.0
+    for ev in children:
+        if parent.get(id(ev)) is enclosing:
+            overlap = min(ev["ts"] + ev.get("dur", 0), t1) - max(ev["ts"], t0)
+            out[(name, ev["name"])] += overlap
+            charged += overlap
+    if t1 - t0 - charged > 0:
+        out[(name, "(no op)")] += t1 - t0 - charged
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -251,6 +291,12 @@ def markdown(report: dict[str, Any]) -> str:
                   "| after | before | idle ms / step | gaps / step |", "| --- | --- | ---: | ---: |"]
         for g in report["idle_gaps"]:
             lines.append(f"| `{cut(g['after'])}` | `{cut(g['before'])}` | {g['ms']:.3f} | {g['count']:g} |")
+    if report.get("long_gap_host"):
+        lines += ["", f"What the host ran while the GPU idled in gaps of {report['long_gap_ms']:g} ms or more (until the "
+                  "next launch):", "",
+                  "| inside | op | ms / step |", "| --- | --- | ---: |"]
+        for h in report["long_gap_host"]:
+            lines.append(f"| `{cut(h['within'])}` | `{cut(h['op'])}` | {h['ms']:.3f} |")
     return "\n".join(lines)
 
 

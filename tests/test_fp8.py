@@ -14,6 +14,7 @@ Inputs are fresh random draws each run; the seed is in every failure message (TE
 """
 
 import pytest
+from unittest import mock
 import torch
 
 triton = pytest.importorskip("triton")
@@ -110,6 +111,31 @@ def test_e4m3_cast_every_value_and_tie(sign):
     assert (s == 1.0).all()
     want = x.to(FP8)
     assert torch.equal(_bytes(q).cpu(), _bytes(want)), "e4m3 cast differs from torch's"
+
+
+@pytest.mark.parametrize("slots", [1, 3])
+def test_quantize_rowwise_skips_rows_with_no_valid_slot(slots):
+    """With a slot mask, rows with a valid slot equal the unmasked quantization and the others are
+    left as they were (the outputs are made with torch.empty; here pre-filled to show any write)."""
+    seed = random_seed()
+    M, K = 45, 300
+    x = _input(M, K, torch.bfloat16)
+    valid = torch.rand(M, slots, device=x.device) < 0.4
+    valid[0] = False
+    valid[1, -1] = True
+    q_all, s_all = Q.quantize_1x128(x)
+    sentinel_q = torch.full((M, K), 0x55, dtype=torch.uint8, device=x.device)
+    sentinel_s = torch.full((M, 3), -7.0, device=x.device)
+    outs, real_empty = [sentinel_q.view(Q.FP8), sentinel_s], torch.empty
+    with mock.patch.object(Q.torch, "empty", side_effect=lambda *a, **k: outs.pop(0) if outs else real_empty(*a, **k)):
+        q, s = Q.quantize_1x128(x, valid_MS=valid)
+    assert not outs
+    keep = valid.any(dim=1)
+    assert keep.any() and not keep.all(), f"seed {seed}"
+    assert torch.equal(_bytes(q)[keep], _bytes(q_all)[keep]) and torch.equal(s[keep], s_all[keep]), f"seed {seed}"
+    assert (_bytes(q)[~keep] == 0x55).all() and (s[~keep] == -7.0).all(), f"seed {seed}"
+    with pytest.raises(ValueError, match="valid_MS"):
+        Q.quantize_1x128(x, valid_MS=valid[1:])
 
 
 @pytest.mark.parametrize("pow2", [False, True])

@@ -272,10 +272,12 @@ def test_debug_model_trains_in_a_simulated_world(tmp_path, capsys, n, extra):
     mark = re.compile(rf"\[simulated rank 0 of {n}: no communication; loopback copies (\S+)s, compute only "
                       r"(\S+)s, ([\d,]+) tokens/s per device\]$")
     assert len(marks) == 4 and all(mark.search(line) for line in marks), marks
-    for line in marks:  # the copies are part of the step: what is left is shorter, never negative
+    # The copies are part of the step: what is left is shorter, never negative. The debug model's copies
+    # can all print as 0.000s; test_loopback_copies_are_timed_until_taken checks they are timed.
+    for line in marks:
         copies, compute = (float(g) for g in mark.search(line).groups()[:2])
         step_time = float(re.search(r"step[_ ]time:? (\S+)s", line).group(1))
-        assert 0 < copies < step_time and compute == pytest.approx(step_time - copies, abs=2e-3), line
+        assert 0 <= copies < step_time and compute == pytest.approx(step_time - copies, abs=2e-3), line
 
 
 def test_compiled_blocks_train_in_a_simulated_world(tmp_path, capsys):

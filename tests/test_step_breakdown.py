@@ -125,3 +125,27 @@ def test_exposed_communication():
     assert report["comm_exposed_ms"] == pytest.approx(0.015)  # 0-5 and 20-30
     assert report["busy_ms"] == pytest.approx(0.030) and report["idle_ms"] == pytest.approx(0.0)
     assert "exposed 0.0 ms" in SB.markdown(report)
+
+
+def test_host_work_during_long_gaps():
+    """A 3 ms gap whose next kernel was launched late: the host time until that launch is charged to
+    the ops that ran inside the op enclosing the whole gap; a gap the launch did not wait for
+    charges nothing; short gaps are not looked at."""
+    ev = [
+        _op("aten::mm", 0, 5, 1), _launch(1, 201, 1), _kernel("nvjet_tst_a", 10, 100, 201, 1),
+        # The optimizer step: the GPU idles from 110 to 3110 while the host runs two ops in it.
+        _op("Optimizer.step#AdamW.step", 100, 4000, 2),
+        _op("aten::_foreach_norm", 100, 1000, 3), _op("aten::_fused_adamw_", 1200, 1900, 4),
+        _launch(3100, 202, 4), _kernel("void at::native::multi_tensor_apply_kernel<a>", 3110, 50, 202, 4),
+        # A 2 ms gap the kernel's launch did not wait for (launched long before): nothing charged.
+        _op("aten::add", 3150, 5, 5), _launch(3151, 203, 5), _kernel("void add_kernel", 5160, 10, 203, 5),
+        # A short gap (0.5 ms): not looked at.
+        _op("aten::mul", 5600, 5, 6), _launch(5601, 204, 6), _kernel("void mul_kernel", 5670, 10, 204, 6),
+    ]
+    report = SB.breakdown({"traceEvents": ev}, steps=1)
+    host = {(h["within"], h["op"]): h["ms"] for h in report["long_gap_host"]}
+    assert host == pytest.approx({("Optimizer.step#AdamW.step", "aten::_foreach_norm"): 0.99,
+                                  ("Optimizer.step#AdamW.step", "aten::_fused_adamw_"): 1.9,
+                                  ("Optimizer.step#AdamW.step", "(no op)"): 0.1})
+    md = SB.markdown(report)
+    assert "gaps of 1 ms or more" in md and "`aten::_fused_adamw_` | 1.900 |" in md

@@ -216,23 +216,34 @@ def _quantize_1x128_kernel(
     x_ptr,  # (M, K) bf16/fp32
     q_ptr,  # (M, K) uint8 view of e4m3 out
     s_ptr,  # (M, cdiv(K, 128)) fp32 out
+    valid_ptr,  # (M, SLOTS) int8/bool: rows with no nonzero entry are skipped (when HAS_VALID)
     M,
     K,
+    SLOTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     POW2: tl.constexpr,
     SOFT: tl.constexpr,
+    HAS_VALID: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     kb = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = kb * _TILE + tl.arange(0, _TILE)
-    mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
+    row_ok = offs_m < M
+    if HAS_VALID:
+        # Under expert parallelism half the received rows are empty: neither read nor written.
+        nz = tl.zeros([BLOCK_M], dtype=tl.int32)
+        for j in tl.static_range(SLOTS):
+            v = tl.load(valid_ptr + offs_m.to(tl.int64) * SLOTS + j, mask=row_ok, other=0)
+            nz += (v != 0).to(tl.int32)
+        row_ok = row_ok & (nz > 0)
+    mask = row_ok[:, None] & (offs_k < K)[None, :]
     off = offs_m.to(tl.int64)[:, None] * K + offs_k[None, :]
     x = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
     s = scale_from_amax(tl.max(tl.abs(x), axis=1), POW2)
     q = to_e4m3_bits(quantize_tile(x, s[:, None]), SOFT)
     tl.store(q_ptr + off, q, mask=mask)
-    tl.store(s_ptr + offs_m.to(tl.int64) * tl.cdiv(K, _TILE) + kb, s, mask=offs_m < M)
+    tl.store(s_ptr + offs_m.to(tl.int64) * tl.cdiv(K, _TILE) + kb, s, mask=row_ok)
 
 
 @triton.jit
@@ -395,27 +406,36 @@ def _check_input(x: torch.Tensor, ndim: int, name: str) -> None:
         raise ValueError(f"{name}: expected a contiguous tensor (row-major), got strides {x.stride()}")
 
 
-def quantize_1x128(x_MK: torch.Tensor, pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_1x128(x_MK: torch.Tensor, pow2_scales: bool = False, valid_MS: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """1 x 128 tiles along the last dim (activations, gradients: the GEMM's reduction dim).
 
     Args:
         x_MK: (M, K) bf16/fp16/fp32, contiguous. K need not be a multiple of 128: the last tile's
             amax is over its K % 128 valid columns.
         pow2_scales: round each scale up to a power of two.
+        valid_MS: optional (M, S) bool/int8, contiguous: a row with no nonzero entry (a token whose
+            S routed slots are all empty) is neither read nor written, its q and s rows left
+            undefined. For callers that read rows only through their valid slots.
     Returns:
         q_MK: (M, K) float8_e4m3fn.
         s_MKb: (M, ceil(K/128)) fp32, ``x[m, k] ~= q[m, k] * s[m, k // 128]``.
     """
     _check_input(x_MK, 2, "x_MK")
     M, K = x_MK.shape
+    if valid_MS is not None and (valid_MS.dim() != 2 or valid_MS.shape[0] != M or not valid_MS.is_contiguous()
+                                 or valid_MS.dtype not in (torch.bool, torch.int8, torch.uint8)):
+        raise ValueError(f"valid_MS: expected a contiguous ({M}, S) bool/int8 mask, got "
+                         f"{tuple(valid_MS.shape)} {valid_MS.dtype}")
     q = torch.empty((M, K), device=x_MK.device, dtype=FP8)
     s = torch.empty((M, triton.cdiv(K, TILE)), device=x_MK.device, dtype=torch.float32)
     if M == 0 or K == 0:
         return q, s
     block_m = 16 if interpreting() else 32
+    valid = x_MK if valid_MS is None else valid_MS.view(torch.int8)
     _quantize_1x128_kernel[(triton.cdiv(M, block_m), triton.cdiv(K, TILE))](
-        x_MK, q.view(torch.uint8), s, M, K,
-        BLOCK_M=block_m, POW2=pow2_scales, SOFT=interpreting(), num_warps=4,
+        x_MK, q.view(torch.uint8), s, valid, M, K, SLOTS=1 if valid_MS is None else valid_MS.shape[1],
+        BLOCK_M=block_m, POW2=pow2_scales, SOFT=interpreting(), HAS_VALID=valid_MS is not None, num_warps=4,
     )  # fmt: skip
     return q, s
 

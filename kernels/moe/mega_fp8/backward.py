@@ -313,7 +313,10 @@ def moe_fp8_backward(
     T, K = topk_weights_TK.shape
     E, F, D = w1_EFD.shape
     N = T * K
-    dy_q, dy_s = quantize_1x128(dy_TD, pow2_scales)
+    # Empty slots' rows lie past every expert's tiles: skipped in the sum, zeroed in ds, and dy rows
+    # of tokens with no valid slot (expert parallelism's empty rows) are never gathered.
+    valid_N = valid_slots(sorted_slot_N, offsets_E1)
+    dy_q, dy_s = quantize_1x128(dy_TD, pow2_scales, valid_N.view(T, K))
     if quantized is None:
         w2t_q, w2t_s = transposed_weight(w2_EDF, pow2_scales)
     else:
@@ -331,8 +334,6 @@ def moe_fp8_backward(
         w13t_q, w13t_s = quantized.w13t_q, quantized.w13t_s
     dxbuf_ND = grouped_gemm(dh_q, dh_s, w13t_q, w13t_s, offsets_E1, x_TD.dtype, engine, out_slot_N=sorted_slot_N)
     del dh_q, dh_s, w13t_q, w13t_s
-    # Empty slots' rows lie past every expert's tiles: skipped in the sum, zeroed in ds.
-    valid_N = valid_slots(sorted_slot_N, offsets_E1)
     dx_TD = combine_slots(dxbuf_ND, T, K, sorted_slot_N, offsets_E1, valid_N)
     del dxbuf_ND
     ds_TK = torch.where(valid_N.view(T, K) != 0, ds_TK, 0.0)

@@ -99,7 +99,8 @@ def moe_fp8_forward(
     sorted_slot_N, offsets_E1 = sort_by_expert(topk_ids_TK, E)
     bm_gu = gate_up_block_m()
     tiles_gu = tile_table(offsets_E1, T * K, bm_gu)
-    x_q, x_s = quantize_1x128(x_TD, pow2_scales)
+    # Tokens with no routed slot (expert parallelism's empty receive rows) are never gathered: skip them.
+    x_q, x_s = quantize_1x128(x_TD, pow2_scales, topk_ids_TK >= 0)
     if quantized is None:
         w1_q, w1_s = quantize_weight(w1_EFD, pow2_scales)
         w3_q, w3_s = quantize_weight(w3_EFD, pow2_scales)
