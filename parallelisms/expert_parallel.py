@@ -21,16 +21,23 @@ by all-to-all, autograd-correct, with no device-to-host sync (docs/expert_parall
   the reorder pass in ``parallelisms/compile.py``). P = 1 is the unchunked path exactly.
 - Every rank must run the same collectives in the same order, so a backend's output must depend on
   its input rows even when all of them are empty (all backends compute empty rows and mask them).
+- Empty rows are zero for backends that compute every row (0 x garbage could be NaN). For a backend
+  registered ``routed_rows_only`` (the mega kernels: ``kernels/moe/__init__.py``) they are left as
+  allocated in the send buffer, the expert outputs and both gradients: at the default capacity half
+  of every buffer, whose writes the step then saves.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
+
+from kernels.moe import routed_rows_only
 
 
 def static_capacity(num_tokens: int, top_k: int, ep: int, num_local_experts: int, capacity_factor: float) -> int:
@@ -73,16 +80,45 @@ class _GatherSlotRows(torch.autograd.Function):
         return _sum_slot_rows(grad_RD, slot_row_TK).to(grad_RD.dtype), None, None
 
 
+def _undefined_rows(num_rows: int, like: torch.Tensor) -> torch.Tensor:
+    """A (num_rows, D) buffer in ``like``'s dtype, left as allocated: only the rows of slots are
+    written, for backends that read no other (the tests fill it with NaN instead)."""
+    return like.new_empty((num_rows, like.shape[-1]))
+
+
+class _ScatterSlotRows(torch.autograd.Function):
+    """The send buffer for a ``routed_rows_only`` backend: each slot's token row written to its row
+    (dropped slots to a spare row past R), the empty rows left undefined; R - T x K fewer rows written
+    than :class:`_GatherSlotRows`, whose backward it shares."""
+
+    @staticmethod
+    def forward(ctx, x_TD: torch.Tensor, slot_row_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
+        ctx.save_for_backward(slot_row_TK)
+        buf_RD = _undefined_rows(num_rows + 1, x_TD)
+        buf_RD[slot_row_TK] = x_TD.unsqueeze(1)
+        return buf_RD[:num_rows]
+
+    @staticmethod
+    def backward(ctx, grad_RD: torch.Tensor):
+        (slot_row_TK,) = ctx.saved_tensors
+        return _sum_slot_rows(grad_RD, slot_row_TK).to(grad_RD.dtype), None, None
+
+
 class _CombineSlotRows(torch.autograd.Function):
     """y_TD = sum over k of w_TK x ``y_RD[slot_row_TK]`` (dropped slots add nothing), in float32 (at
     least). Its backward writes each row's gradient from its slot (a gather over ``row_slot_R``), where
-    autograd's own would scatter-add T x K rows into R."""
+    autograd's own would scatter-add T x K rows into R. With ``empty_undefined`` (a ``routed_rows_only``
+    backend) the gradient is scattered from the slots instead, its empty rows left undefined."""
 
     @staticmethod
     def forward(ctx, y_RD: torch.Tensor, w_TK: torch.Tensor, slot_row_TK: torch.Tensor, row_slot_R: torch.Tensor,
-                dtype: torch.dtype) -> torch.Tensor:
+                dtype: torch.dtype, empty_undefined: bool) -> torch.Tensor:
         ctx.save_for_backward(y_RD, w_TK, slot_row_TK, row_slot_R)
-        return _sum_slot_rows(y_RD, slot_row_TK, w_TK).to(dtype)
+        ctx.empty_undefined = empty_undefined
+        y_TD = _sum_slot_rows(y_RD, slot_row_TK, w_TK)
+        # No .to() when the dtype already matches: torch 2.11 compiles a Function whose output is
+        # such a no-op cast with zero gradients.
+        return y_TD if y_TD.dtype == dtype else y_TD.to(dtype)
 
     @staticmethod
     def backward(ctx, grad_TD: torch.Tensor):
@@ -92,12 +128,17 @@ class _CombineSlotRows(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_w_TK = (_slot_outputs(y_RD, slot_row_TK) * grad_TD.to(acc).unsqueeze(1)).sum(dim=-1).to(w_TK.dtype)
         grad_y_RD = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] and ctx.empty_undefined:
+            R = y_RD.shape[0]
+            grad_y_RD = _undefined_rows(R + 1, y_RD)  # row R absorbs the dropped slots
+            grad_y_RD[slot_row_TK] = (grad_TD.to(acc).unsqueeze(1) * w_TK.to(acc).unsqueeze(-1)).to(y_RD.dtype)
+            grad_y_RD = grad_y_RD[:R]
+        elif ctx.needs_input_grad[0]:
             real_R = row_slot_R >= 0
             slot_R = row_slot_R.clamp(min=0)
             scaled_RD = grad_TD[slot_R // K].to(acc) * w_TK.reshape(-1)[slot_R].to(acc).unsqueeze(-1)
             grad_y_RD = torch.where(real_R.unsqueeze(-1), scaled_RD, 0.0).to(y_RD.dtype)
-        return grad_y_RD, grad_w_TK, None, None, None
+        return grad_y_RD, grad_w_TK, None, None, None, None
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -169,6 +210,9 @@ class ExpertParallel:
                  w1_local: torch.Tensor, w3_local: torch.Tensor, w2_local: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (y_TD, dropped_E): the combined output and the slots per expert that did not fit."""
+        empty_undefined = routed_rows_only(backend)
+        if empty_undefined:
+            backend = functools.partial(backend, write_empty_rows=False)
         sizes = self.chunk_sizes(x_TD.shape[0])
         if len(sizes) == 1:  # no split views: P = 1 runs exactly the unchunked graph
             chunks = [(x_TD, topk_ids_TK, topk_weights_TK)]
@@ -179,13 +223,13 @@ class ExpertParallel:
         # in flight while the first chunk's GEMMs run; the combine of each chunk is issued as soon
         # as its GEMMs are done, and read only after the last chunk's (when the waits are deferred:
         # in eager, not in a default compile -- see the module docstring).
-        sent = [self._dispatch(x, ids) for x, ids, _ in chunks]
+        sent = [self._dispatch(x, ids, empty_undefined) for x, ids, _ in chunks]
         backs = []
         for recv_x, recv_expert, _ in sent:
             ones = torch.ones(recv_x.shape[0], 1, dtype=torch.float32, device=x_TD.device)
             y_recv = backend(recv_x, recv_expert.view(-1, 1), ones, w1_local, w3_local, w2_local)
             backs.append(funcol.all_to_all_single_autograd(y_recv, None, None, self.ep_mesh))
-        outs = [self._combine(y_back, layout, weights, x_TD.dtype)
+        outs = [self._combine(y_back, layout, weights, x_TD.dtype, empty_undefined)
                 for y_back, (_, _, layout), (_, _, weights) in zip(backs, sent, chunks)]
         if len(outs) == 1:
             return outs[0]
@@ -193,11 +237,12 @@ class ExpertParallel:
         dropped_E = torch.stack([d for _, d in outs]).sum(dim=0)
         return y_TD, dropped_E
 
-    def _dispatch(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor
+    def _dispatch(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, empty_undefined: bool
                   ) -> tuple[torch.Tensor, torch.Tensor, _Layout]:
         """Lays out one chunk's slots in a static-capacity send buffer and issues its all-to-alls.
         Returns (recv_x, recv_expert, layout): the rows this rank's experts receive (waited on at
-        first use), their local expert ids (-1 = empty row), and the layout for :meth:`_combine`."""
+        first use), their local expert ids (-1 = empty row: zero, or undefined if ``empty_undefined``),
+        and the layout for :meth:`_combine`."""
         T, K = topk_ids_TK.shape
         ep, n_local = self.ep, self.num_local_experts
         C = self.capacity(T, K)
@@ -219,24 +264,28 @@ class ExpertParallel:
         send_row_N = torch.where(keep_N, dest_N * C + pos_N, trash)
 
         # Per send-buffer row: the slot it carries and the receiving rank's local expert id (-1 for
-        # an empty row, which carries token 0's values, ignored on arrival).
+        # an empty row, which carries token 0's values or nothing defined, ignored on arrival).
         row_slot_R = torch.full((trash + 1,), -1, dtype=torch.int64, device=device)
         row_slot_R = row_slot_R.scatter(0, send_row_N, sorted_slots_N)[:trash]
         row_expert = torch.full((trash + 1,), -1, dtype=torch.int64, device=device)
         row_expert = row_expert.scatter(0, send_row_N, local_expert_ids(sorted_ids_N, n_local))[:trash]
         slot_row_TK = torch.empty_like(send_row_N).scatter(0, sorted_slots_N, send_row_N).view(T, K)
-        send_x = _GatherSlotRows.apply(x_TD, row_slot_R.clamp(min=0) // K, slot_row_TK)
+        if empty_undefined:
+            send_x = _ScatterSlotRows.apply(x_TD, slot_row_TK, trash)
+        else:
+            send_x = _GatherSlotRows.apply(x_TD, row_slot_R.clamp(min=0) // K, slot_row_TK)
 
         recv_x = funcol.all_to_all_single_autograd(send_x, None, None, self.ep_mesh)
         recv_expert = funcol.all_to_all_single(row_expert, None, None, self.ep_mesh)
         layout = _Layout(sorted_slots_N, sorted_ids_N, keep_N, send_row_N, slot_row_TK, row_slot_R, trash)
         return recv_x, recv_expert, layout
 
-    def _combine(self, y_back: torch.Tensor, layout: _Layout, topk_weights_TK: torch.Tensor, dtype: torch.dtype
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _combine(self, y_back: torch.Tensor, layout: _Layout, topk_weights_TK: torch.Tensor, dtype: torch.dtype,
+                 empty_undefined: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """One chunk's output from the rows its experts sent back: each slot reads its row (slot
         order), masked where dropped, weighted, summed over k. Returns (y_TD, dropped_E)."""
-        y_TD = _CombineSlotRows.apply(y_back, topk_weights_TK, layout.slot_row_TK, layout.row_slot_R, dtype)
+        y_TD = _CombineSlotRows.apply(y_back, topk_weights_TK, layout.slot_row_TK, layout.row_slot_R, dtype,
+                                      empty_undefined)
         dropped_E = torch.zeros(self.num_experts, dtype=torch.float32, device=y_back.device)
         dropped_E = dropped_E.scatter_add(0, layout.sorted_ids_N, (~layout.keep_N).float())
         return y_TD, dropped_E

@@ -247,11 +247,11 @@ def _drop_job(rank: int, world: int, args: list[str], init_path: str, dump_folde
         ep = block.moe.experts.expert_parallel
         dispatch, combine = ep._dispatch, ep._combine
 
-        def recording_dispatch(x_TD, topk_ids_TK, ep=ep, dispatch=dispatch):
+        def recording_dispatch(x_TD, topk_ids_TK, *rest, ep=ep, dispatch=dispatch):
             C = ep.capacity(*topk_ids_TK.shape)
             per_dest = torch.bincount(topk_ids_TK.reshape(-1) // ep.num_local_experts, minlength=ep.ep)
             from_routing[trainer.step] += int((per_dest - C).clamp(min=0).sum())
-            return dispatch(x_TD, topk_ids_TK)
+            return dispatch(x_TD, topk_ids_TK, *rest)
 
         def recording_combine(*a, combine=combine):
             y_TD, dropped_E = combine(*a)

@@ -196,6 +196,51 @@ def test_backward_paths(kind, grouped_mm_backward):
     _check_against_reference(T, K, E, D, F, kind, dtype, tol, random_seed(), configs)
 
 
+def _unrouted_routing(T, K, E):
+    """Routing with empty slots, the first three tokens having none routed and the fourth all on
+    expert 0; returns (ids, s, unrouted_T)."""
+    ids, s = make_routing(T, K, E, "empty_slots")
+    ids[:3] = -1
+    ids[3] = 0
+    return ids, s, (ids < 0).all(dim=1)
+
+
+@pytest.mark.parametrize("path", ["op", "fused", "grouped_mm"])
+@pytest.mark.parametrize("K", [1, 2])
+def test_rows_of_unrouted_tokens_are_not_read(K, path):
+    """``write_empty_rows=False`` (expert parallelism's receive side): the rows of x and dy of tokens
+    with no routed slot hold NaN and are never read -- the routed tokens' y and dx, and every weight
+    and routing gradient, equal bit for bit the default run's with those rows zero."""
+    T, E, D, F = (29, 4, 32, 48) if not _HAS_CUDA else (1000, 16, 256, 384)
+    dtype = torch.float32 if not _HAS_CUDA else torch.bfloat16
+    seed = random_seed()
+    ids, s, unrouted = _unrouted_routing(T, K, E)
+    x = torch.randn(T, D, device=DEVICE, dtype=dtype).masked_fill(unrouted[:, None], 0.0)
+    dy = torch.randn(T, D, device=DEVICE, dtype=dtype).masked_fill(unrouted[:, None], 0.0)
+    w1, w3, w2 = _weights(E, D, F, dtype)
+    configs = dataclasses.replace(get_configs(D, F, E, dtype), grouped_mm_backward=path == "grouped_mm")
+
+    def run(x, dy, write_empty_rows):
+        if path == "op":
+            leaves = [t.clone().requires_grad_() for t in (x, s, w1, w3, w2)]
+            y = mega_moe(leaves[0], ids, *leaves[1:], write_empty_rows=write_empty_rows)
+            return y, torch.autograd.grad(y, leaves, dy)
+        y, h, slots, offs = moe_forward(x, ids, s, w1, w3, w2, configs, write_empty_rows=write_empty_rows)
+        dx, dw1, dw3, dw2, ds = moe_backward(dy, x, s, w1, w3, w2, h, slots, offs, configs,
+                                             write_empty_rows=write_empty_rows)
+        return y, (dx, ds, dw1, dw3, dw2)
+
+    y0, grads0 = run(x, dy, True)
+    nan = float("nan")
+    y1, grads1 = run(x.masked_fill(unrouted[:, None], nan), dy.masked_fill(unrouted[:, None], nan), False)
+    routed = ~unrouted
+    assert torch.equal(y0[unrouted], torch.zeros_like(y0[unrouted])), f"seed={seed}"
+    assert torch.equal(y1[routed], y0[routed]), f"y; seed={seed}"
+    assert torch.equal(grads1[0][routed], grads0[0][routed]), f"dx; seed={seed}"
+    for name, a, b in zip(("topk_weights", "w1", "w3", "w2"), grads1[1:], grads0[1:]):
+        assert torch.isfinite(a).all() and torch.equal(a, b), f"d{name}; seed={seed}"
+
+
 @pytest.mark.parametrize("persistent", [0, 1])
 def test_persistent_launch(persistent):
     """All four M-tiled kernels on a persistent grid (tile loop flattened) or one program per tile."""

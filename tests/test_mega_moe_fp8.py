@@ -118,7 +118,7 @@ def _check(T, K, E, D, F, kind, outliers=False, wgrad="fp8", pow2=False, dh_quan
     leaves = [t.clone().requires_grad_() for t in (x, s, w1, w3, w2)]
     # Through the custom op itself (what mega_moe_fp8 calls) so that H and the routing metadata are
     # at hand for the tight reference.
-    y, h, slots, offs = torch.ops.mega_moe_fp8.forward(leaves[0], ids, *leaves[1:], wgrad, pow2, engine, [])
+    y, h, slots, offs = torch.ops.mega_moe_fp8.forward(leaves[0], ids, *leaves[1:], wgrad, pow2, engine, True, [])
     grads = torch.autograd.grad(y, leaves, dy)
     assert y.dtype == BF16 and y.shape == (T, D), msg
     for name, g, leaf in zip(GRADS, grads, leaves):
@@ -207,6 +207,35 @@ def test_forward_backward(T, K, E, D, F, kind, outliers, opts):
     _check(T, K, E, D, F, kind, outliers, **opts)
 
 
+@pytest.mark.parametrize("K", [1, 2])
+def test_rows_of_unrouted_tokens_are_not_read(K):
+    """``write_empty_rows=False`` (expert parallelism's receive side): the rows of x and dy of tokens
+    with no routed slot hold NaN and are neither read nor quantized -- the routed tokens' y and dx,
+    and every weight and routing gradient, equal bit for bit the default run's with those rows zero."""
+    seed = random_seed()
+    x, ids, _, w1, w3, w2, dy = _inputs(37, K, 4, 256, 128, "empty_slots")
+    ids[:3] = -1
+    ids[3] = 0
+    s = torch.randn(ids.shape, device=DEVICE).softmax(dim=-1).masked_fill(ids < 0, float("nan"))
+    unrouted = (ids < 0).all(dim=1)
+    x, dy = x.masked_fill(unrouted[:, None], 0.0), dy.masked_fill(unrouted[:, None], 0.0)
+
+    def run(x, dy, write_empty_rows):
+        leaves = [t.clone().requires_grad_() for t in (x, s, w1, w3, w2)]
+        y = mega_moe_fp8(leaves[0], ids, *leaves[1:], write_empty_rows=write_empty_rows)
+        return y, torch.autograd.grad(y, leaves, dy)
+
+    y0, grads0 = run(x, dy, True)
+    nan = float("nan")
+    y1, grads1 = run(x.masked_fill(unrouted[:, None], nan), dy.masked_fill(unrouted[:, None], nan), False)
+    routed = ~unrouted
+    assert torch.equal(y0[unrouted], torch.zeros_like(y0[unrouted])), f"seed={seed}"
+    assert torch.equal(y1[routed], y0[routed]), f"y; seed={seed}"
+    assert torch.equal(grads1[0][routed], grads0[0][routed]), f"dx; seed={seed}"
+    for name, a, b in zip(GRADS[1:], grads1[1:], grads0[1:]):
+        assert torch.isfinite(a).all() and torch.equal(a, b), f"d{name}; seed={seed}"
+
+
 def test_compile_fullgraph():
     """One node each way under torch.compile(fullgraph=True): no graph break, same numbers."""
     seed = random_seed()
@@ -243,9 +272,9 @@ def test_options():
     leaves = [t.clone().requires_grad_() for t in (x, s, w1, w3, w2)]
     y = mega_moe_fp8(leaves[0], ids, *leaves[1:], options=opts)
     got = [y, *torch.autograd.grad(y, leaves, dy)]
-    want_y, h, slots, offs = torch.ops.mega_moe_fp8.forward(x, ids, s, w1, w3, w2, "bf16", True, "auto", [])
+    want_y, h, slots, offs = torch.ops.mega_moe_fp8.forward(x, ids, s, w1, w3, w2, "bf16", True, "auto", True, [])
     dx, dw1, dw3, dw2, ds = torch.ops.mega_moe_fp8.backward(dy, x, s, w1, w3, w2, h, slots, offs, "bf16", True, "auto",
-                                                            [])
+                                                            True, [])
     for name, a, b in zip(("y", "dx", "ds", "dw1", "dw3", "dw2"), got, (want_y, dx, ds, dw1, dw3, dw2)):
         assert torch.equal(a, b), f"seed {seed}: {name}"
 

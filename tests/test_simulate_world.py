@@ -178,7 +178,7 @@ def test_ep_exchange_computes_each_slot_once_with_valid_local_ids(world):
     w1, w3 = torch.randn(n_local, F, D, generator=gen), torch.randn(n_local, F, D, generator=gen)
     w2 = torch.randn(n_local, D, F, generator=gen)
 
-    recv_x, recv_expert, layout = layer._dispatch(x_TD, ids_TK)
+    recv_x, recv_expert, layout = layer._dispatch(x_TD, ids_TK, False)
     assert recv_x.shape[0] == ep * layer.capacity(T, K)  # one rank's receive buffer
     real = recv_expert >= 0
     assert int(real.sum()) == T * K and int(recv_expert.max()) < n_local
@@ -192,6 +192,101 @@ def test_ep_exchange_computes_each_slot_once_with_valid_local_ids(world):
     assert dropped_E.sum() == 0
     want = backend(x_TD, ids_TK % n_local, weights_TK, w1, w3, w2)
     torch.testing.assert_close(y_TD, want, rtol=1e-5, atol=1e-5)
+
+
+def _mega_on_cpu() -> None:
+    """The exchange tests hold CPU tensors: the mega kernels run on them in Triton's interpreter only."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("the mega kernels run CPU tensors only in Triton's interpreter, which a CUDA machine's "
+                    "tests do not select (tests/test_mega_moe*.py run them on the GPU)")
+
+
+@pytest.mark.parametrize("factor", [4.0, 0.5], ids=["no_drop", "drops"])
+def test_ep_exchange_leaves_empty_rows_undefined_for_mega(world, monkeypatch, factor):
+    """With a backend that reads only routed rows (the mega kernels, in Triton's interpreter here) the
+    send buffer and the gradient of the returned rows are left undefined where empty -- NaN in this
+    test -- and the mega kernels leave their outputs' empty rows unwritten: y and every gradient still
+    equal the one-process torch backend's, with dropped slots at factor 0.5."""
+    _mega_on_cpu()
+    from kernels.moe import get_moe_backend, routed_rows_only
+    from parallelisms import expert_parallel as EP
+    from parallelisms.parallel_dims import ParallelDims
+
+    poisoned = []
+
+    def nan_rows(num_rows, like):
+        poisoned.append(num_rows)
+        return like.new_full((num_rows, like.shape[-1]), float("nan"))
+
+    monkeypatch.setattr(EP, "_undefined_rows", nan_rows)
+    world(4)
+    E, ep, T, K, D, F = 8, 4, 24, 3, 32, 48
+    mesh = ParallelDims(dp_replicate=1, dp_shard=4, ep=ep, world_size=4).mesh
+    layer = EP.ExpertParallel(mesh, E, capacity_factor=factor, param_dtype=torch.float32)
+    gen = torch.Generator()
+    seed = gen.seed()
+    ids_TK = torch.stack([torch.randperm(E - 1, generator=gen)[:K] for _ in range(T)])
+    ids_TK[: T // 2, 0] = 1
+    n_local = E // ep
+    leaves = [torch.randn(T, D, generator=gen), torch.rand(T, K, generator=gen),
+              torch.randn(n_local, F, D, generator=gen) / D**0.5, torch.randn(n_local, F, D, generator=gen) / D**0.5,
+              torch.randn(n_local, D, F, generator=gen) / F**0.5]
+    grad_TD = torch.randn(T, D, generator=gen)
+    mega = get_moe_backend("mega")
+    assert routed_rows_only(mega) and not routed_rows_only(get_moe_backend("torch"))
+
+    got = [t.clone().requires_grad_() for t in leaves]
+    y_TD, dropped_E = layer(mega, got[0], ids_TK, *got[1:])
+    y_TD.backward(grad_TD)
+    R = ep * layer.capacity(T, K)
+    assert poisoned == [R + 1, R + 1], poisoned  # the send buffer, then the returned rows' gradient
+    keep_TK = layer._dispatch(leaves[0], ids_TK, True)[2].slot_row_TK < R
+    assert (int(dropped_E.sum()) > 0) == (factor < 1)
+
+    want = [t.double().requires_grad_() for t in leaves]
+    y_want = get_moe_backend("torch")(want[0], ids_TK % n_local, want[1] * keep_TK, *want[2:])
+    y_want.backward(grad_TD.double())
+    torch.testing.assert_close(y_TD.double(), y_want, rtol=1e-4, atol=1e-4, msg=f"y (seed {seed})")
+    for name, g, w in zip(["x", "weights", "w1", "w3", "w2"], got, want):
+        torch.testing.assert_close(g.grad.double(), w.grad, rtol=1e-4, atol=1e-4, msg=f"{name} (seed {seed})")
+
+
+@pytest.mark.parametrize("backend", ["torch", "mega"])
+def test_ep_exchange_compiled_in_float32_has_the_eager_gradients(world, backend):
+    """The exchange compiled whole (fullgraph) in float32, where the combine's output needs no cast:
+    the loss and all five gradients equal eager's. (torch 2.11 compiled the combine with zero
+    gradients while its forward ended in a no-op cast.) mega: the path that leaves empty rows undefined."""
+    if backend == "mega":
+        _mega_on_cpu()
+    from kernels.moe import get_moe_backend
+    from parallelisms.expert_parallel import ExpertParallel
+    from parallelisms.parallel_dims import ParallelDims
+
+    world(4)
+    E, ep, T, K, D, F = 8, 4, 24, 3, 32, 48
+    mesh = ParallelDims(dp_replicate=1, dp_shard=4, ep=ep, world_size=4).mesh
+    layer = ExpertParallel(mesh, E, capacity_factor=2.0, param_dtype=torch.float32)
+    gen = torch.Generator()
+    seed = gen.seed()
+    ids_TK = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    leaves = [torch.randn(T, D, generator=gen), torch.rand(T, K, generator=gen),
+              torch.randn(E // ep, F, D, generator=gen) / D**0.5, torch.randn(E // ep, F, D, generator=gen) / D**0.5,
+              torch.randn(E // ep, D, F, generator=gen) / F**0.5]
+    fn = get_moe_backend(backend)
+
+    def loss(x, w, w1, w3, w2):
+        y_TD, _ = layer(fn, x, ids_TK, w, w1, w3, w2)
+        return y_TD.square().sum()
+
+    results = []
+    for f in (loss, torch.compile(loss, backend="aot_eager", fullgraph=True)):
+        got = [t.clone().requires_grad_() for t in leaves]
+        out = f(*got)
+        results.append([out, *torch.autograd.grad(out, got)])
+    for name, a, b in zip(["loss", "x", "weights", "w1", "w3", "w2"], *results):
+        assert b.abs().max() > 0, f"{name}: compiled gradient is zero (seed {seed})"
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=f"{name} (seed {seed})")
 
 
 @pytest.mark.unit
@@ -227,7 +322,7 @@ def test_ep_exchange_gradients_equal_autograd_through_one_process(world, factor)
     got = [t.clone().requires_grad_() for t in leaves]
     y_TD, dropped_E = layer(backend, got[0], ids_TK, *got[1:])
     y_TD.backward(grad_TD)
-    keep_TK = layer._dispatch(leaves[0], ids_TK)[2].slot_row_TK < ep * layer.capacity(T, K)
+    keep_TK = layer._dispatch(leaves[0], ids_TK, False)[2].slot_row_TK < ep * layer.capacity(T, K)
     assert int(dropped_E.sum()) == int((~keep_TK).sum()) and (int(dropped_E.sum()) > 0) == (factor < 1)
 
     want = [t.clone().requires_grad_() for t in leaves]

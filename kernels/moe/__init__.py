@@ -13,11 +13,16 @@ produces float32); the output has the dtype of ``x_TD``. Gradients flow to x, th
 weights and the routing weights (hence to the router). Weight layout is TorchTitan's.
 
 Backends register themselves with :func:`register_moe_backend`; :func:`get_moe_backend` looks one
-up by the name written in ``[moe] backend``.
+up by the name written in ``[moe] backend``. A backend registered ``routed_rows_only`` reads only the
+rows of x (and of y's gradient) whose token has a routed slot, so the others may hold anything, and
+takes ``write_empty_rows=False`` to leave those tokens' rows of y and of x's gradient undefined:
+expert parallelism's receive side, half of whose rows are empty, then neither fills nor zeroes them
+(:func:`routed_rows_only`).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Callable, Protocol
 
@@ -37,6 +42,7 @@ class MoEBackend(Protocol):
 
 
 _BACKENDS: dict[str, MoEBackend] = {}
+_ROUTED_ROWS_ONLY: set[str] = set()
 
 # Backends that live in their own module and register on import; imported lazily so that a
 # backend's optional dependency (triton, torchtitan) is only needed when that backend is chosen.
@@ -50,14 +56,25 @@ _LAZY_MODULES: dict[str, str] = {
 }
 
 
-def register_moe_backend(name: str) -> Callable[[MoEBackend], MoEBackend]:
+def register_moe_backend(name: str, routed_rows_only: bool = False) -> Callable[[MoEBackend], MoEBackend]:
     def wrap(fn: MoEBackend) -> MoEBackend:
         if name in _BACKENDS and _BACKENDS[name] is not fn:
             raise ValueError(f"MoE backend {name!r} is registered twice")
         _BACKENDS[name] = fn
+        if routed_rows_only:
+            _ROUTED_ROWS_ONLY.add(name)
         return fn
 
     return wrap
+
+
+def routed_rows_only(backend: MoEBackend) -> bool:
+    """Whether ``backend`` (a registered function, or a ``functools.partial`` of one) was registered
+    ``routed_rows_only`` (the module docstring)."""
+    fn = backend
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return any(_BACKENDS.get(name) is fn for name in _ROUTED_ROWS_ONLY)
 
 
 # ``[quantize] moe``: the registered backend that computes each (``[moe] backend``, precision) pair.

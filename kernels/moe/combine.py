@@ -22,6 +22,7 @@ def _sum_over_k_kernel(
     BLOCK_D: tl.constexpr,
     HAS_EMPTY: tl.constexpr,
     GATHER: tl.constexpr,
+    STORE_EMPTY: tl.constexpr,  # False: a token with no valid slot keeps whatever its out row held
     SOFT: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -36,8 +37,11 @@ def _sum_over_k_kernel(
         kmask = kmask & (tl.load(valid_ptr + slot, mask=k < K_TOP, other=0) != 0)
     mask = kmask[:, None] & (d < D)[None, :]
     vals = tl.load(buf_ptr + row[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    store = d < D
+    if not STORE_EMPTY:
+        store = store & (tl.max(kmask.to(tl.int32), axis=0) > 0)
     # A fixed-order sum in registers: deterministic, unlike float atomics into out.
-    tl.store(out_ptr + t * D + d, cast_out(tl.sum(vals, axis=0), out_ptr.dtype.element_ty, SOFT), mask=d < D)
+    tl.store(out_ptr + t * D + d, cast_out(tl.sum(vals, axis=0), out_ptr.dtype.element_ty, SOFT), mask=store)
 
 
 def sum_over_k(
@@ -46,6 +50,7 @@ def sum_over_k(
     top_k: int,
     valid_N: torch.Tensor | None = None,
     row_of_slot_N: torch.Tensor | None = None,
+    write_empty_rows: bool = True,
 ) -> torch.Tensor:
     """out[t] = sum_k buf[row(t*K + k)], accumulated in fp32, in buf's dtype.
 
@@ -54,6 +59,8 @@ def sum_over_k(
             ``row_of_slot_N``, rows in any order (e.g. expert-sorted) that the index maps slots to.
         valid_N: optional (T*K,) int8, 0 for empty slots (expert id -1): their rows are skipped.
         row_of_slot_N: optional (T*K,) int32 row of ``buf_ND`` holding each slot.
+        write_empty_rows: False leaves the rows of tokens with no valid slot unwritten (undefined)
+            instead of zero, for callers that never read them.
     Returns:
         (T, D) tensor.
     """
@@ -66,7 +73,8 @@ def sum_over_k(
         buf_ND, buf_ND if row_of_slot_N is None else row_of_slot_N,
         out_TD, buf_ND if valid_N is None else valid_N, top_k, D,
         K_POW2=triton.next_power_of_2(top_k), BLOCK_D=block_d, HAS_EMPTY=valid_N is not None,
-        GATHER=row_of_slot_N is not None, SOFT=interpreting(), num_warps=4,
+        GATHER=row_of_slot_N is not None, STORE_EMPTY=write_empty_rows or valid_N is None, SOFT=interpreting(),
+        num_warps=4,
     )  # fmt: skip
     return out_TD
 
@@ -109,15 +117,18 @@ def one_slot_output(buf_ND: torch.Tensor, sorted_slot_N: torch.Tensor, offsets_E
 
 
 def combine_slots(ybuf_ND: torch.Tensor, num_tokens: int, top_k: int, sorted_slot_N: torch.Tensor,
-                  offsets_E1: torch.Tensor, valid_N: torch.Tensor | None = None) -> torch.Tensor:
+                  offsets_E1: torch.Tensor, valid_N: torch.Tensor | None = None, write_empty_rows: bool = True
+                  ) -> torch.Tensor:
     """The ops' combine: each token's sum over its k slot rows of ``ybuf_ND``, empty slots skipped
     (:func:`sum_over_k`); at top_k = 1 the slot rows themselves (:func:`one_slot_output`, in place).
-    ``valid_N``: :func:`valid_slots`' mask where the caller has it already (made here otherwise)."""
+    ``valid_N``: :func:`valid_slots`' mask where the caller has it already (made here otherwise).
+    ``write_empty_rows`` False: the rows of tokens with no valid slot are left undefined, not zeroed
+    (expert parallelism's receive side never reads them)."""
     if top_k == 1:
-        return one_slot_output(ybuf_ND, sorted_slot_N, offsets_E1)
+        return one_slot_output(ybuf_ND, sorted_slot_N, offsets_E1) if write_empty_rows else ybuf_ND
     if valid_N is None:
         valid_N = valid_slots(sorted_slot_N, offsets_E1)
-    return sum_over_k(ybuf_ND, num_tokens, top_k, valid_N)
+    return sum_over_k(ybuf_ND, num_tokens, top_k, valid_N, write_empty_rows=write_empty_rows)
 
 
 def valid_slots(sorted_slot_N: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:

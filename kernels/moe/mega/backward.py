@@ -413,12 +413,14 @@ def moe_backward(
     sorted_slot_N: torch.Tensor,
     offsets_E1: torch.Tensor,
     configs: MegaMoEConfigs | None = None,
+    write_empty_rows: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward pass. All inputs contiguous: dy_TD and x_TD (T, D), topk_weights_TK (T, K)
     fp32, the weights as in the forward, h_N2F (N, 2F), sorted_slot_N (N,) int32 and offsets_E1
     (E+1,) int32 from :func:`~kernels.moe.mega.forward.moe_forward`; dy, x, weights and H one dtype.
     Empty slots (expert id -1) get zero gradients. ``configs`` None takes
-    :func:`~kernels.moe.mega.configs.get_configs`' defaults.
+    :func:`~kernels.moe.mega.configs.get_configs`' defaults. Only rows of dy and x with a routed slot
+    are read; ``write_empty_rows`` False leaves dx's rows of tokens with none undefined.
 
     Returns:
         dx_TD (x's dtype), dw1_EFD, dw3_EFD, dw2_EDF (weights' dtype), dtopk_weights_TK (fp32).
@@ -440,12 +442,12 @@ def moe_backward(
     # Empty slots' rows lie past every expert's tiles: skipped in the sum, zeroed in ds.
     valid_N = valid_slots(sorted_slot_N, offsets_E1)
     if gmm:
-        dx_TD = dx_grouped_mm(dh_N2F, w1_EFD, w3_EFD, sorted_slot_N, offsets_E1, valid_N, K)
+        dx_TD = dx_grouped_mm(dh_N2F, w1_EFD, w3_EFD, sorted_slot_N, offsets_E1, valid_N, K, write_empty_rows)
     else:
         if configs.dx.block_m != configs.dh.block_m:
             tiles = None
         dxbuf_ND = dx_slots(dh_N2F, w1_EFD, w3_EFD, sorted_slot_N, offsets_E1, configs.dx, tiles)
-        dx_TD = combine_slots(dxbuf_ND, T, K, sorted_slot_N, offsets_E1, valid_N)
+        dx_TD = combine_slots(dxbuf_ND, T, K, sorted_slot_N, offsets_E1, valid_N, write_empty_rows)
         del dxbuf_ND
     ds_TK = torch.where(valid_N.view(T, K) != 0, ds_TK, 0.0)
     if gmm:
@@ -476,12 +478,14 @@ def dx_grouped_mm(
     offsets_E1: torch.Tensor,
     valid_N: torch.Tensor,
     top_k: int,
+    write_empty_rows: bool = True,
 ) -> torch.Tensor:
     """dx[t] = sum_k [dgate | dup] @ [w1[e]; w3[e]] of slot t*K+k: one cuBLAS product over 2F into
     expert-sorted rows, then one deterministic gather-sum over k.
 
     dh_N2F: (N, 2F) expert-sorted rows; w1_EFD, w3_EFD: (E, F, D); valid_N: (N,) int8 from
-    ``combine.valid_slots``. Returns (N // top_k, D) in dH's dtype."""
+    ``combine.valid_slots``. Returns (N // top_k, D) in dH's dtype (rows of tokens with no valid
+    slot zero, or undefined if not ``write_empty_rows``)."""
     N = dh_N2F.shape[0]
     # One product over the stacked weights instead of one per weight: a single (N, D) buffer is
     # written and read, and the GEMM's reduction is twice as deep.
@@ -491,7 +495,7 @@ def dx_grouped_mm(
     # row_of_slot[sorted_slot[r]] = r: where each (token, k) slot's row landed.
     row_of_slot_N = torch.empty_like(sorted_slot_N).scatter_(
         0, sorted_slot_N.long(), torch.arange(N, device=sorted_slot_N.device, dtype=sorted_slot_N.dtype))
-    return sum_over_k(dx_ND, N // top_k, top_k, valid_N, row_of_slot_N=row_of_slot_N)
+    return sum_over_k(dx_ND, N // top_k, top_k, valid_N, row_of_slot_N=row_of_slot_N, write_empty_rows=write_empty_rows)
 
 
 def dh_grouped_mm(

@@ -201,11 +201,13 @@ def moe_forward(
     w3_EFD: torch.Tensor,
     w2_EDF: torch.Tensor,
     configs: MegaMoEConfigs | None = None,
+    write_empty_rows: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the forward pass. Inputs contiguous: x_TD (T, D), topk_ids_TK (T, K) int32/int64,
     topk_weights_TK (T, K) fp32, w1_EFD and w3_EFD (E, F, D), w2_EDF (E, D, F) in x's dtype. Expert
     ids of -1 mark empty slots (expert parallelism's padding), which contribute nothing. ``configs``
-    None takes :func:`~kernels.moe.mega.configs.get_configs`' defaults.
+    None takes :func:`~kernels.moe.mega.configs.get_configs`' defaults. Only rows of x with a
+    routed slot are read; ``write_empty_rows`` False leaves y's rows of tokens with none undefined.
 
     Returns:
         y_TD: (T, D) in x's dtype.
@@ -222,5 +224,5 @@ def moe_forward(
     if configs.down.block_m != configs.gate_up.block_m:
         tiles = None
     ybuf_ND = down(a_NF, w2_EDF, topk_weights_TK, sorted_slot_N, offsets_E1, configs.down, tiles)
-    y_TD = combine_slots(ybuf_ND, T, K, sorted_slot_N, offsets_E1)
+    y_TD = combine_slots(ybuf_ND, T, K, sorted_slot_N, offsets_E1, write_empty_rows=write_empty_rows)
     return y_TD, h_N2F, sorted_slot_N, offsets_E1

@@ -95,15 +95,16 @@ def _forward_op(
     w1_EFD: torch.Tensor,
     w3_EFD: torch.Tensor,
     w2_EDF: torch.Tensor,
+    write_empty_rows: bool,
 ) -> _Tensors4:
     """Returns (y_TD, h_N2F, sorted_slot_N int32, offsets_E1 int32); topk_weights_TK is fp32. The
     tiles are ``get_configs``' defaults (a custom op's arguments are tensors and scalars only)."""
     _check_device(x_TD)
-    return moe_forward(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF)
+    return moe_forward(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, write_empty_rows=write_empty_rows)
 
 
 @_forward_op.register_fake
-def _forward_fake(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF):
+def _forward_fake(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, write_empty_rows):
     T, D = x_TD.shape
     N = T * topk_ids_TK.shape[1]
     E, F, _ = w1_EFD.shape
@@ -126,14 +127,17 @@ def _backward_op(
     h_N2F: torch.Tensor,
     sorted_slot_N: torch.Tensor,
     offsets_E1: torch.Tensor,
+    write_empty_rows: bool,
 ) -> _Tensors5:
     """Returns (dx_TD, dw1_EFD, dw3_EFD, dw2_EDF, dtopk_weights_TK fp32), with ``get_configs``' tiles."""
     _check_device(x_TD)
-    return moe_backward(dy_TD, x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, h_N2F, sorted_slot_N, offsets_E1)
+    return moe_backward(dy_TD, x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, h_N2F, sorted_slot_N, offsets_E1,
+                        write_empty_rows=write_empty_rows)
 
 
 @_backward_op.register_fake
-def _backward_fake(dy_TD, x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, h_N2F, sorted_slot_N, offsets_E1):
+def _backward_fake(dy_TD, x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, h_N2F, sorted_slot_N, offsets_E1,
+                   write_empty_rows):
     return (
         torch.empty_like(x_TD),
         torch.empty_like(w1_EFD),
@@ -144,23 +148,25 @@ def _backward_fake(dy_TD, x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, h_N2F, 
 
 
 def _setup_context(ctx, inputs, output):
-    x_TD, _, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF = inputs
+    x_TD, _, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, write_empty_rows = inputs
     _, h_N2F, sorted_slot_N, offsets_E1 = output
     ctx.save_for_backward(x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, h_N2F, sorted_slot_N, offsets_E1)
+    ctx.write_empty_rows = write_empty_rows
 
 
 def _autograd_backward(ctx, dy_TD, _dh, _dslot, _doffsets):
     # Only y carries a gradient: H and the routing metadata are returned for the backward alone.
     saved = ctx.saved_tensors
     x_TD = saved[0]
-    dx, dw1, dw3, dw2, ds = torch.ops.mega_moe.backward(dy_TD.to(x_TD.dtype).contiguous(), *saved)
-    return dx, None, ds, dw1, dw3, dw2
+    dx, dw1, dw3, dw2, ds = torch.ops.mega_moe.backward(dy_TD.to(x_TD.dtype).contiguous(), *saved,
+                                                        ctx.write_empty_rows)
+    return dx, None, ds, dw1, dw3, dw2, None
 
 
 _forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
-@register_moe_backend("mega")
+@register_moe_backend("mega", routed_rows_only=True)
 def mega_moe(
     x_TD: torch.Tensor,
     topk_ids_TK: torch.Tensor,
@@ -168,6 +174,7 @@ def mega_moe(
     w1_EFD: torch.Tensor,
     w3_EFD: torch.Tensor,
     w2_EDF: torch.Tensor,
+    write_empty_rows: bool = True,
 ) -> torch.Tensor:
     """Routed-expert SwiGLU MLP with gather, grouped GEMMs and combine fused into Triton kernels.
 
@@ -178,6 +185,9 @@ def mega_moe(
         topk_weights_TK: (T, K) float routing weights (any float dtype; computed in fp32).
         w1_EFD, w3_EFD: (E, F, D) gate and up projections, dtype of x.
         w2_EDF: (E, D, F) down projection, dtype of x.
+        write_empty_rows: False leaves the rows of y and of x's gradient undefined (not zero) for
+            tokens with no routed slot; only the rows of routed tokens of x and of y's gradient
+            are read either way.
 
     Returns:
         y_TD: (T, D) in the dtype of x. Differentiable w.r.t. x, the three weights and
@@ -195,5 +205,6 @@ def mega_moe(
         w1_EFD.contiguous(),
         w3_EFD.contiguous(),
         w2_EDF.contiguous(),
+        write_empty_rows,
     )
     return y_TD

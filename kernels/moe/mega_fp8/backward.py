@@ -297,6 +297,7 @@ def moe_fp8_backward(
     pow2_scales: bool = False,
     quantized: QuantizedExpertWeights | None = None,
     engine: str = "triton",
+    write_empty_rows: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the FP8 backward. ``engine`` ("gluon" or "triton", resolved by the caller:
     ``kernels/fp8/engine.py``) runs the weight-gradient GEMMs, the dX GEMM and dA' (see
@@ -304,6 +305,8 @@ def moe_fp8_backward(
     bf16, or of any float dtype when ``quantized`` holds their e4m3 copies (then only their shapes
     and dtypes are read).
     Empty slots (expert id -1) get zero gradients; an expert with no rows gets zero weight grads.
+    Only rows of dy and x with a routed slot are read; ``write_empty_rows`` False leaves dx's rows of
+    tokens with none undefined.
 
     Returns:
         dx_TD (x's dtype), dw1_EFD, dw3_EFD, dw2_EDF (each in its weight's dtype), dtopk_weights_TK (fp32).
@@ -334,7 +337,7 @@ def moe_fp8_backward(
         w13t_q, w13t_s = quantized.w13t_q, quantized.w13t_s
     dxbuf_ND = grouped_gemm(dh_q, dh_s, w13t_q, w13t_s, offsets_E1, x_TD.dtype, engine, out_slot_N=sorted_slot_N)
     del dh_q, dh_s, w13t_q, w13t_s
-    dx_TD = combine_slots(dxbuf_ND, T, K, sorted_slot_N, offsets_E1, valid_N)
+    dx_TD = combine_slots(dxbuf_ND, T, K, sorted_slot_N, offsets_E1, valid_N, write_empty_rows)
     del dxbuf_ND
     ds_TK = torch.where(valid_N.view(T, K) != 0, ds_TK, 0.0)
 

@@ -83,11 +83,13 @@ def moe_fp8_forward(
     pow2_scales: bool = False,
     quantized: QuantizedExpertWeights | None = None,
     engine: str = "triton",
+    write_empty_rows: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the FP8 forward. x and the weights bf16, contiguous; routing weights fp32. With
     ``quantized`` (the weights' e4m3 copies) the weights are not read and may have any dtype.
     ``engine`` ("gluon" or "triton", resolved by the caller: ``kernels/fp8/engine.py``) runs the
-    down GEMM (:func:`grouped_gemm`).
+    down GEMM (:func:`grouped_gemm`). Only rows of x with a routed slot are read;
+    ``write_empty_rows`` False leaves y's rows of tokens with none undefined.
 
     Returns:
         y_TD: (T, D) bf16.
@@ -116,6 +118,6 @@ def moe_fp8_forward(
     ybuf_ND = grouped_gemm(a_q, a_s, w2_q, w2_s, offsets_E1, x_TD.dtype, engine,
                            tiles_gu if bm_gu == gemm_blocks()[0] else None, out_slot_N=sorted_slot_N,
                            slot_weights_N=topk_weights_TK.view(-1))
-    y_TD = combine_slots(ybuf_ND, T, K, sorted_slot_N, offsets_E1)
+    y_TD = combine_slots(ybuf_ND, T, K, sorted_slot_N, offsets_E1, write_empty_rows=write_empty_rows)
     return y_TD, h_N2F, sorted_slot_N, offsets_E1
 

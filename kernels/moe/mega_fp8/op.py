@@ -80,13 +80,14 @@ def _forward_op(
     wgrad: str,
     pow2_scales: bool,
     engine: str,
+    write_empty_rows: bool,
     wq: list[torch.Tensor],
 ) -> _Tensors4:
     """Returns (y_TD, h_N2F, sorted_slot_N int32, offsets_E1 int32); ``wgrad`` is for the backward;
     ``wq`` the weights' e4m3 copies (``QuantizedExpertWeights.tensors()``) or empty."""
     _check_device(x_TD)
     return moe_fp8_forward(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, pow2_scales,
-                           _quantized(wq, pow2_scales), resolve_engine(engine, x_TD.device))
+                           _quantized(wq, pow2_scales), resolve_engine(engine, x_TD.device), write_empty_rows)
 
 
 def _quantized(wq: list[torch.Tensor], pow2_scales: bool) -> QuantizedExpertWeights | None:
@@ -94,9 +95,10 @@ def _quantized(wq: list[torch.Tensor], pow2_scales: bool) -> QuantizedExpertWeig
 
 
 @_forward_op.register_fake
-def _forward_fake(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, wgrad, pow2_scales, engine, wq):
+def _forward_fake(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, wgrad, pow2_scales, engine,
+                  write_empty_rows, wq):
     # Outputs of the bf16 op's shapes and dtypes.
-    return _bf16_forward_fake(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF)
+    return _bf16_forward_fake(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, write_empty_rows)
 
 
 @torch.library.custom_op("mega_moe_fp8::backward", mutates_args=())
@@ -113,32 +115,33 @@ def _backward_op(
     wgrad: str,
     pow2_scales: bool,
     engine: str,
+    write_empty_rows: bool,
     wq: list[torch.Tensor],
 ) -> _Tensors5:
     """Returns (dx_TD, dw1_EFD, dw3_EFD, dw2_EDF in the weights' dtypes, dtopk_weights_TK fp32)."""
     _check_device(x_TD)
     return moe_fp8_backward(
         dy_TD, x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, h_N2F, sorted_slot_N, offsets_E1, wgrad, pow2_scales,
-        _quantized(wq, pow2_scales), resolve_engine(engine, x_TD.device),
+        _quantized(wq, pow2_scales), resolve_engine(engine, x_TD.device), write_empty_rows,
     )
 
 
 @_backward_op.register_fake
 def _backward_fake(dy_TD, x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, h_N2F, sorted_slot_N, offsets_E1,
-                   wgrad, pow2_scales, engine, wq):
+                   wgrad, pow2_scales, engine, write_empty_rows, wq):
     return _bf16_backward_fake(dy_TD, x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, h_N2F, sorted_slot_N,
-                               offsets_E1)
+                               offsets_E1, write_empty_rows)
 
 
 _N_SAVED = 8
 
 
 def _setup_context(ctx, inputs, output):
-    x_TD, _, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, wgrad, pow2_scales, engine, wq = inputs
+    x_TD, _, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, wgrad, pow2_scales, engine, write_empty_rows, wq = inputs
     _, h_N2F, sorted_slot_N, offsets_E1 = output
     # The cached e4m3 copies are saved by reference (they live until the next optimizer step anyway).
     ctx.save_for_backward(x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, h_N2F, sorted_slot_N, offsets_E1, *wq)
-    ctx.wgrad, ctx.pow2_scales, ctx.engine = wgrad, pow2_scales, engine
+    ctx.wgrad, ctx.pow2_scales, ctx.engine, ctx.write_empty_rows = wgrad, pow2_scales, engine, write_empty_rows
 
 
 def _autograd_backward(ctx, dy_TD, _dh, _dslot, _doffsets):
@@ -146,9 +149,10 @@ def _autograd_backward(ctx, dy_TD, _dh, _dslot, _doffsets):
     saved = ctx.saved_tensors
     dy_TD = dy_TD.to(saved[0].dtype).contiguous()
     dx, dw1, dw3, dw2, ds = torch.ops.mega_moe_fp8.backward(
-        dy_TD, *saved[:_N_SAVED], ctx.wgrad, ctx.pow2_scales, ctx.engine, list(saved[_N_SAVED:]))
+        dy_TD, *saved[:_N_SAVED], ctx.wgrad, ctx.pow2_scales, ctx.engine, ctx.write_empty_rows,
+        list(saved[_N_SAVED:]))
     # The custom op's autograd wants the inputs' structure back: one None per tensor of wq.
-    return dx, None, ds, dw1, dw3, dw2, None, None, None, [None] * (len(saved) - _N_SAVED)
+    return dx, None, ds, dw1, dw3, dw2, None, None, None, None, [None] * (len(saved) - _N_SAVED)
 
 
 _forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -164,7 +168,7 @@ def _check_bf16(x_TD, w1_EFD=None, w3_EFD=None, w2_EDF=None) -> None:
             )
 
 
-@register_moe_backend("mega_fp8")
+@register_moe_backend("mega_fp8", routed_rows_only=True)
 def mega_moe_fp8(
     x_TD: torch.Tensor,
     topk_ids_TK: torch.Tensor,
@@ -174,6 +178,7 @@ def mega_moe_fp8(
     w2_EDF: torch.Tensor,
     quantized: QuantizedExpertWeights | None = None,
     options: MegaFP8Options | None = None,
+    write_empty_rows: bool = True,
 ) -> torch.Tensor:
     """Routed-expert SwiGLU MLP, block-scaled FP8 GEMMs in fused Triton kernels.
 
@@ -193,6 +198,9 @@ def mega_moe_fp8(
             weights: their gradients are written in float32). Quantized with the options'
             ``pow2_scales`` (checked).
         options: :class:`MegaFP8Options` (None: the defaults).
+        write_empty_rows: False leaves the rows of y and of x's gradient undefined (not zero) for
+            tokens with no routed slot; only the rows of routed tokens of x and of y's gradient
+            are read either way.
 
     Returns:
         y_TD: (T, D) bfloat16. Differentiable w.r.t. x, the three weights (grads in their dtypes)
@@ -219,6 +227,7 @@ def mega_moe_fp8(
         opts.wgrad,
         opts.pow2_scales,
         opts.engine,
+        write_empty_rows,
         quantized.tensors() if quantized is not None else [],
     )
     return y_TD
