@@ -234,6 +234,22 @@ def make_routing(T: int, K: int, E: int, kind: str, device=DEVICE) -> tuple[torc
     return ids.contiguous(), weights
 
 
+def assert_unrouted_rows_unread(run, x, dy, unrouted_T: torch.Tensor, seed: int) -> None:
+    """For an op's ``write_empty_rows`` option: ``run(x, dy, write_empty_rows)`` returns (y, (dx, ds, dw1,
+    dw3, dw2)). With the rows of tokens that have no routed slot zero and the default, those rows of y
+    are zero; with them NaN and ``write_empty_rows=False``, the routed rows of y and dx and every other
+    gradient are unchanged bit for bit (so the NaN rows were never read)."""
+    y0, grads0 = run(x, dy, True)
+    nan_rows = unrouted_T[:, None]
+    y1, grads1 = run(x.masked_fill(nan_rows, float("nan")), dy.masked_fill(nan_rows, float("nan")), False)
+    routed = ~unrouted_T
+    assert torch.equal(y0[unrouted_T], torch.zeros_like(y0[unrouted_T])), f"seed={seed}"
+    assert torch.equal(y1[routed], y0[routed]), f"y; seed={seed}"
+    assert torch.equal(grads1[0][routed], grads0[0][routed]), f"dx; seed={seed}"
+    for name, a, b in zip(("topk_weights", "w1", "w3", "w2"), grads1[1:], grads0[1:]):
+        assert torch.isfinite(a).all() and torch.equal(a, b), f"d{name}; seed={seed}"
+
+
 def _backend_routing(kind: str, T: int, E: int, K: int, gen: torch.Generator) -> torch.Tensor:
     """topk_ids (T, K) with distinct experts per token, shaped by ``kind``."""
     if kind == "random":
