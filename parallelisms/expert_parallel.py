@@ -86,10 +86,10 @@ def _undefined_rows(num_rows: int, like: torch.Tensor) -> torch.Tensor:
     return like.new_empty((num_rows, like.shape[-1]))
 
 
-class _ScatterSlotRows(torch.autograd.Function):
+class _ScatterSlotRows(_GatherSlotRows):
     """The send buffer for a ``routed_rows_only`` backend: each slot's token row written to its row
     (dropped slots to a spare row past R), the empty rows left undefined; R - T x K fewer rows written
-    than :class:`_GatherSlotRows`, whose backward it shares."""
+    than :class:`_GatherSlotRows`, whose backward it inherits."""
 
     @staticmethod
     def forward(ctx, x_TD: torch.Tensor, slot_row_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -97,11 +97,6 @@ class _ScatterSlotRows(torch.autograd.Function):
         buf_RD = _undefined_rows(num_rows + 1, x_TD)
         buf_RD[slot_row_TK] = x_TD.unsqueeze(1)
         return buf_RD[:num_rows]
-
-    @staticmethod
-    def backward(ctx, grad_RD: torch.Tensor):
-        (slot_row_TK,) = ctx.saved_tensors
-        return _sum_slot_rows(grad_RD, slot_row_TK).to(grad_RD.dtype), None, None
 
 
 class _CombineSlotRows(torch.autograd.Function):

@@ -21,7 +21,9 @@ from kernels.moe.combine import one_slot_output  # noqa: E402
 from kernels.moe.routing import gather_sorted_rows, max_tiles, num_real_tiles, sort_by_expert, tile_table  # noqa: E402
 from tests.triton_interpreter import DEVICE, skip_unless_runnable  # noqa: E402
 from tests.triton_interpreter import HAS_CUDA as _HAS_CUDA  # noqa: E402
-from tests.utils import assert_unrouted_rows_unread, make_routing, random_seed, rel_error  # noqa: E402
+from tests.utils import (  # noqa: E402
+    assert_unrouted_rows_unread, make_routing, random_seed, rel_error, unrouted_routing,
+)
 
 skip_unless_runnable(_fwd_module._gate_up_kernel, "kernels.moe.mega")
 
@@ -196,15 +198,6 @@ def test_backward_paths(kind, grouped_mm_backward):
     _check_against_reference(T, K, E, D, F, kind, dtype, tol, random_seed(), configs)
 
 
-def _unrouted_routing(T, K, E):
-    """Routing with empty slots, the first three tokens having none routed and the fourth all on
-    expert 0; returns (ids, s, unrouted_T)."""
-    ids, s = make_routing(T, K, E, "empty_slots")
-    ids[:3] = -1
-    ids[3] = 0
-    return ids, s, (ids < 0).all(dim=1)
-
-
 @pytest.mark.parametrize("path", ["op", "fused", "grouped_mm"])
 @pytest.mark.parametrize("K", [1, 2])
 def test_rows_of_unrouted_tokens_are_not_read(K, path):
@@ -214,7 +207,7 @@ def test_rows_of_unrouted_tokens_are_not_read(K, path):
     T, E, D, F = (29, 4, 32, 48) if not _HAS_CUDA else (1000, 16, 256, 384)
     dtype = torch.float32 if not _HAS_CUDA else torch.bfloat16
     seed = random_seed()
-    ids, s, unrouted = _unrouted_routing(T, K, E)
+    ids, s, unrouted = unrouted_routing(T, K, E)
     x = torch.randn(T, D, device=DEVICE, dtype=dtype).masked_fill(unrouted[:, None], 0.0)
     dy = torch.randn(T, D, device=DEVICE, dtype=dtype).masked_fill(unrouted[:, None], 0.0)
     w1, w3, w2 = _weights(E, D, F, dtype)

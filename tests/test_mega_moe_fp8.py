@@ -38,7 +38,9 @@ from kernels.moe.reference import moe_reference  # noqa: E402
 
 from tests.triton_interpreter import DEVICE, skip_unless_runnable  # noqa: E402
 from tests.triton_interpreter import HAS_CUDA as _HAS_CUDA  # noqa: E402
-from tests.utils import assert_unrouted_rows_unread, make_routing, random_seed, rel_error  # noqa: E402
+from tests.utils import (  # noqa: E402
+    assert_unrouted_rows_unread, make_routing, random_seed, rel_error, unrouted_routing,
+)
 
 skip_unless_runnable(B._dh_from_da_kernel, "kernels.moe.mega_fp8")
 BF16 = torch.bfloat16
@@ -213,11 +215,9 @@ def test_rows_of_unrouted_tokens_are_not_read(K):
     with no routed slot hold NaN and are neither read nor quantized -- the routed tokens' y and dx,
     and every weight and routing gradient, equal bit for bit the default run's with those rows zero."""
     seed = random_seed()
-    x, ids, _, w1, w3, w2, dy = _inputs(37, K, 4, 256, 128, "empty_slots")
-    ids[:3] = -1
-    ids[3] = 0
-    s = torch.randn(ids.shape, device=DEVICE).softmax(dim=-1).masked_fill(ids < 0, float("nan"))
-    unrouted = (ids < 0).all(dim=1)
+    x, _, _, w1, w3, w2, dy = _inputs(37, K, 4, 256, 128, "empty_slots")
+    ids, s, unrouted = unrouted_routing(37, K, 4)
+    s = s.masked_fill(ids < 0, float("nan"))  # as expert parallelism's padding has them
     x, dy = x.masked_fill(unrouted[:, None], 0.0), dy.masked_fill(unrouted[:, None], 0.0)
 
     def run(x, dy, write_empty_rows):

@@ -234,6 +234,15 @@ def make_routing(T: int, K: int, E: int, kind: str, device=DEVICE) -> tuple[torc
     return ids.contiguous(), weights
 
 
+def unrouted_routing(T: int, K: int, E: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``make_routing``'s ``empty_slots`` with the first three tokens having no routed slot and the
+    fourth all on expert 0; returns (ids, weights, unrouted_T)."""
+    ids, weights = make_routing(T, K, E, "empty_slots")
+    ids[:3] = -1
+    ids[3] = 0
+    return ids, weights, (ids < 0).all(dim=1)
+
+
 def assert_unrouted_rows_unread(run, x, dy, unrouted_T: torch.Tensor, seed: int) -> None:
     """For an op's ``write_empty_rows`` option: ``run(x, dy, write_empty_rows)`` returns (y, (dx, ds, dw1,
     dw3, dw2)). With the rows of tokens that have no routed slot zero and the default, those rows of y

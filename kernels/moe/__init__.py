@@ -42,7 +42,7 @@ class MoEBackend(Protocol):
 
 
 _BACKENDS: dict[str, MoEBackend] = {}
-_ROUTED_ROWS_ONLY: set[str] = set()
+_ROUTED_ROWS_ONLY: set[MoEBackend] = set()
 
 # Backends that live in their own module and register on import; imported lazily so that a
 # backend's optional dependency (triton, torchtitan) is only needed when that backend is chosen.
@@ -62,7 +62,7 @@ def register_moe_backend(name: str, routed_rows_only: bool = False) -> Callable[
             raise ValueError(f"MoE backend {name!r} is registered twice")
         _BACKENDS[name] = fn
         if routed_rows_only:
-            _ROUTED_ROWS_ONLY.add(name)
+            _ROUTED_ROWS_ONLY.add(fn)
         return fn
 
     return wrap
@@ -74,7 +74,7 @@ def routed_rows_only(backend: MoEBackend) -> bool:
     fn = backend
     while isinstance(fn, functools.partial):
         fn = fn.func
-    return any(_BACKENDS.get(name) is fn for name in _ROUTED_ROWS_ONLY)
+    return fn in _ROUTED_ROWS_ONLY
 
 
 # ``[quantize] moe``: the registered backend that computes each (``[moe] backend``, precision) pair.
