@@ -33,6 +33,7 @@ from components.config import ConfigError, JobConfig, parse_args
 from components.dataloader import DataError, build_dataloader
 from components.loss import build_loss_fn
 from components.float8 import convert_to_float8
+from components.garbage_collection import GarbageCollection
 from components.metrics import MetricsLogger, flops_per_token, format_drops
 from components.optimizer import build_lr_scheduler, build_optimizer, folds_grad_scale, lr_factor
 from components.profiling import StepProfiler
@@ -433,10 +434,11 @@ class Trainer:
         self.metrics.start()
         self.train_started = time.perf_counter()
         try:
-            with GracefulStop(log) as stop:
+            with GracefulStop(log) as stop, GarbageCollection(t.gc_freq) as collector:
                 while self.step < t.steps:
                     self.step += 1
                     profiler.step_start(self.step)
+                    collector.step(self.step)
                     lr = self.optimizer.param_groups[0]["lr"]
                     loss, aux, grad_norm = self.train_step(data_iter)
                     if self.device.type == "cuda":

@@ -404,3 +404,31 @@ def test_fused_adamw_clips_inside_its_kernel(tmp_path, monkeypatch):
     assert got == pytest.approx(want, rel=1e-5)
     for (name, a), b in zip(fused.model.named_parameters(), foreach.model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("freq, collected_at", [(3, [2, 3, 6]), (0, [])])
+def test_garbage_collection_runs_on_the_trainers_schedule(tmp_path, monkeypatch, freq, collected_at):
+    """With ``gc_freq`` > 0 Python's automatic collection is off during the steps, the trainer
+    collects the young generations at the start of step 2 and of every gc_freq-th, and automatic
+    collection is back on after training; 0 changes nothing."""
+    import gc
+
+    trainer = make_trainer(tmp_path, "--training.steps", "7", "--training.gc_freq", str(freq))
+    events, enabled = [], []
+    real_collect, real_step = gc.collect, trainer.train_step
+
+    def collect(generation=2):
+        events.append((trainer.step, generation))
+        return real_collect(generation)
+
+    def train_step(data_iter):
+        enabled.append(gc.isenabled())
+        return real_step(data_iter)
+
+    monkeypatch.setattr(gc, "collect", collect)
+    monkeypatch.setattr(trainer, "train_step", train_step)
+    assert gc.isenabled()
+    trainer.train()
+    assert gc.isenabled()
+    assert enabled == [freq == 0] * 7
+    assert [step for step, generation in events if generation == 1] == collected_at
