@@ -202,6 +202,37 @@ def _mega_on_cpu() -> None:
                     "tests do not select (tests/test_mega_moe*.py run them on the GPU)")
 
 
+def _exchange_case(world, factor: float, dtype: torch.dtype, D: int, F: int, skewed: bool = True):
+    """A 4-rank EP-4 exchange of E = 8 experts with fresh inputs: (layer, ids_TK, leaves, grad_TD,
+    seed), leaves = [x, routing weights, w1, w3, w2] of this rank's E/ep experts. ``skewed``: expert
+    E - 1 gets no token and expert 1 is hot (at factor 0.5 its destination overflows)."""
+    from parallelisms.expert_parallel import ExpertParallel
+    from parallelisms.parallel_dims import ParallelDims
+
+    world(4)
+    E, ep, T, K = 8, 4, 24, 3
+    mesh = ParallelDims(dp_replicate=1, dp_shard=4, ep=ep, world_size=4).mesh
+    layer = ExpertParallel(mesh, E, capacity_factor=factor, param_dtype=dtype)
+    gen = torch.Generator()
+    seed = gen.seed()
+    ids_TK = torch.stack([torch.randperm(E - 1 if skewed else E, generator=gen)[:K] for _ in range(T)])
+    if skewed:
+        ids_TK[: T // 2, 0] = 1
+    n_local = E // ep
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen, dtype=dtype) * scale
+
+    leaves = [randn(T, D), torch.rand(T, K, generator=gen, dtype=dtype), randn(n_local, F, D, scale=D**-0.5),
+              randn(n_local, F, D, scale=D**-0.5), randn(n_local, D, F, scale=F**-0.5)]
+    return layer, ids_TK, leaves, randn(T, D), seed
+
+
+def _kept_slots(layer, x_TD, ids_TK) -> torch.Tensor:
+    """(T, K) bool: the slots that fit the receive buffers (the rest are dropped)."""
+    return layer._dispatch(x_TD, ids_TK, False)[2].slot_row_TK < layer.ep * layer.capacity(*ids_TK.shape)
+
+
 @pytest.mark.parametrize("factor", [4.0, 0.5], ids=["no_drop", "drops"])
 def test_ep_exchange_leaves_empty_rows_undefined_for_mega(world, monkeypatch, factor):
     """With a backend that reads only routed rows (the mega kernels, in Triton's interpreter here) the
@@ -211,7 +242,6 @@ def test_ep_exchange_leaves_empty_rows_undefined_for_mega(world, monkeypatch, fa
     _mega_on_cpu()
     from kernels.moe import get_moe_backend, routed_rows_only
     from parallelisms import expert_parallel as EP
-    from parallelisms.parallel_dims import ParallelDims
 
     poisoned = []
 
@@ -220,32 +250,20 @@ def test_ep_exchange_leaves_empty_rows_undefined_for_mega(world, monkeypatch, fa
         return like.new_full((num_rows, like.shape[-1]), float("nan"))
 
     monkeypatch.setattr(EP, "_undefined_rows", nan_rows)
-    world(4)
-    E, ep, T, K, D, F = 8, 4, 24, 3, 32, 48
-    mesh = ParallelDims(dp_replicate=1, dp_shard=4, ep=ep, world_size=4).mesh
-    layer = EP.ExpertParallel(mesh, E, capacity_factor=factor, param_dtype=torch.float32)
-    gen = torch.Generator()
-    seed = gen.seed()
-    ids_TK = torch.stack([torch.randperm(E - 1, generator=gen)[:K] for _ in range(T)])
-    ids_TK[: T // 2, 0] = 1
-    n_local = E // ep
-    leaves = [torch.randn(T, D, generator=gen), torch.rand(T, K, generator=gen),
-              torch.randn(n_local, F, D, generator=gen) / D**0.5, torch.randn(n_local, F, D, generator=gen) / D**0.5,
-              torch.randn(n_local, D, F, generator=gen) / F**0.5]
-    grad_TD = torch.randn(T, D, generator=gen)
+    layer, ids_TK, leaves, grad_TD, seed = _exchange_case(world, factor, torch.float32, D=32, F=48)
     mega = get_moe_backend("mega")
     assert routed_rows_only(mega) and not routed_rows_only(get_moe_backend("torch"))
 
     got = [t.clone().requires_grad_() for t in leaves]
     y_TD, dropped_E = layer(mega, got[0], ids_TK, *got[1:])
     y_TD.backward(grad_TD)
-    R = ep * layer.capacity(T, K)
+    R = layer.ep * layer.capacity(*ids_TK.shape)
     assert poisoned == [R + 1, R + 1], poisoned  # the send buffer, then the returned rows' gradient
-    keep_TK = layer._dispatch(leaves[0], ids_TK, True)[2].slot_row_TK < R
+    keep_TK = _kept_slots(layer, leaves[0], ids_TK)
     assert (int(dropped_E.sum()) > 0) == (factor < 1)
 
     want = [t.double().requires_grad_() for t in leaves]
-    y_want = get_moe_backend("torch")(want[0], ids_TK % n_local, want[1] * keep_TK, *want[2:])
+    y_want = get_moe_backend("torch")(want[0], ids_TK % leaves[2].shape[0], want[1] * keep_TK, *want[2:])
     y_want.backward(grad_TD.double())
     torch.testing.assert_close(y_TD.double(), y_want, rtol=1e-4, atol=1e-4, msg=f"y (seed {seed})")
     for name, g, w in zip(["x", "weights", "w1", "w3", "w2"], got, want):
@@ -260,19 +278,8 @@ def test_ep_exchange_compiled_in_float32_has_the_eager_gradients(world, backend)
     if backend == "mega":
         _mega_on_cpu()
     from kernels.moe import get_moe_backend
-    from parallelisms.expert_parallel import ExpertParallel
-    from parallelisms.parallel_dims import ParallelDims
 
-    world(4)
-    E, ep, T, K, D, F = 8, 4, 24, 3, 32, 48
-    mesh = ParallelDims(dp_replicate=1, dp_shard=4, ep=ep, world_size=4).mesh
-    layer = ExpertParallel(mesh, E, capacity_factor=2.0, param_dtype=torch.float32)
-    gen = torch.Generator()
-    seed = gen.seed()
-    ids_TK = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
-    leaves = [torch.randn(T, D, generator=gen), torch.rand(T, K, generator=gen),
-              torch.randn(E // ep, F, D, generator=gen) / D**0.5, torch.randn(E // ep, F, D, generator=gen) / D**0.5,
-              torch.randn(E // ep, D, F, generator=gen) / F**0.5]
+    layer, ids_TK, leaves, _, seed = _exchange_case(world, 2.0, torch.float32, D=32, F=48, skewed=False)
     fn = get_moe_backend(backend)
 
     def loss(x, w, w1, w3, w2):
@@ -297,36 +304,18 @@ def test_ep_exchange_gradients_equal_autograd_through_one_process(world, factor)
     fresh inputs each run, with empty rows in every buffer, an expert no token routes to, and at
     factor 0.5 dropped slots (whose weights get no gradient)."""
     from kernels.moe import get_moe_backend
-    from parallelisms.expert_parallel import ExpertParallel
-    from parallelisms.parallel_dims import ParallelDims
 
-    world(4)
-    E, ep, T, K, D, F = 8, 4, 24, 3, 8, 6
-    mesh = ParallelDims(dp_replicate=1, dp_shard=4, ep=ep, world_size=4).mesh
-    layer = ExpertParallel(mesh, E, capacity_factor=factor, param_dtype=torch.float64)
-    gen = torch.Generator()
-    seed = gen.seed()
-    # Expert E - 1 gets no token; expert 1 is hot: at factor 0.5 its destination overflows.
-    ids_TK = torch.stack([torch.randperm(E - 1, generator=gen)[:K] for _ in range(T)])
-    ids_TK[: T // 2, 0] = 1
-    n_local = E // ep
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float64)
-
-    leaves = [randn(T, D), torch.rand(T, K, generator=gen, dtype=torch.float64),
-              randn(n_local, F, D), randn(n_local, F, D), randn(n_local, D, F)]
-    grad_TD = randn(T, D)
+    layer, ids_TK, leaves, grad_TD, seed = _exchange_case(world, factor, torch.float64, D=8, F=6)
     backend = get_moe_backend("torch")
 
     got = [t.clone().requires_grad_() for t in leaves]
     y_TD, dropped_E = layer(backend, got[0], ids_TK, *got[1:])
     y_TD.backward(grad_TD)
-    keep_TK = layer._dispatch(leaves[0], ids_TK, False)[2].slot_row_TK < ep * layer.capacity(T, K)
+    keep_TK = _kept_slots(layer, leaves[0], ids_TK)
     assert int(dropped_E.sum()) == int((~keep_TK).sum()) and (int(dropped_E.sum()) > 0) == (factor < 1)
 
     want = [t.clone().requires_grad_() for t in leaves]
-    y_want = backend(want[0], ids_TK % n_local, want[1] * keep_TK, *want[2:])
+    y_want = backend(want[0], ids_TK % leaves[2].shape[0], want[1] * keep_TK, *want[2:])
     y_want.backward(grad_TD)
     torch.testing.assert_close(y_TD, y_want, rtol=1e-12, atol=1e-12, msg=f"y (seed {seed})")
     for name, g, w in zip(["x", "weights", "w1", "w3", "w2"], got, want):
