@@ -26,8 +26,8 @@ multiples of 16 already (``components/float8.py`` checks).
 
 How it reaches the compiler: the linear is one ``torch.library`` custom op (``fp8_rowwise::linear``)
 whose autograd formula calls a second one (``fp8_rowwise::linear_backward``), both opaque to
-inductor, each quantizing its operands with :func:`quantize_rowwise_fast` (a row amax, then one
-Triton pass; bit for bit :func:`quantize_rowwise`). Why custom ops and not a
+inductor, each quantizing its operands with :func:`quantize_rowwise_fast` (Triton; bit for bit
+:func:`quantize_rowwise`). Why custom ops and not a
 ``torch.autograd.Function`` traced by dynamo: under AOTAutograd on CUDA (torch 2.11, H200) such a
 Function's backward received an all-zero tangent, so dx and dW came out zero, while eager and the
 CPU were right.
@@ -48,6 +48,7 @@ E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 AMAX_EPS = 1e-12  # all-zero rows get a tiny finite scale (and quantize to zeros)
 ALIGN = 16  # _scaled_mm's (and _scaled_grouped_mm's) dimension multiple on CUDA
+ROWS_PER_PROGRAM = 4  # contiguous-row quantizer: few rows a program, so a 512-row weight still fills the GPU
 
 # torchao's rowwise defaults: fast (lower-precision) accumulation only for the forward GEMM; the
 # gradient GEMMs accumulate in full fp32, as their reductions (the tokens, in wgrad) are long.
@@ -91,22 +92,54 @@ def _quantize_rows_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, R, C, stride_r, stride_
     tl.store(q_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], bits, mask=mask)
 
 
+@triton.jit
+def _quantize_contiguous_rows_kernel(x_ptr, q_ptr, s_ptr, R, C, stride_r, SOFT: tl.constexpr,
+                                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """:func:`_quantize_rows_kernel` with the row amax taken in the same program, for rows whose
+    elements are contiguous: a first sweep over the columns reduces the amax, a second quantizes
+    (its re-read of BLOCK_R rows mostly hits L2)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    base = x_ptr + rows[:, None].to(tl.int64) * stride_r
+    amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        x = tl.load(base + cols[None, :], mask=rmask[:, None] & (cols[None, :] < C), other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+    scale = _scale_from_amax_tl(amax, True)
+    tl.store(s_ptr + rows, scale, mask=rmask)
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        mask = rmask[:, None] & (cols[None, :] < C)
+        x = tl.load(base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        bits = to_e4m3_bits(quantize_tile(x, scale[:, None]), SOFT)
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], bits, mask=mask)
+
+
 def quantize_rowwise_fast(x: torch.Tensor, use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`quantize_rowwise` of a 2-D view of any strides, bit for bit, in two launches: the row
+    """:func:`quantize_rowwise` of a 2-D view of any strides, bit for bit. Rows with contiguous
+    elements (activations, gradients, weights in the forward): one Triton launch that takes each
+    row's amax and quantizes it. Other views (the transposed operands of the backward GEMMs): the row
     amax (``torch.linalg.vector_norm``, exact in x's dtype), then one Triton pass that derives the
-    scales and quantizes (two reads and one byte written per element, instead of the ~40 bytes of
-    eager torch ops). Used where inductor does not fuse the quantization (the custom ops).
+    scales and quantizes. Either way one byte written per element and ~2 reads, instead of the ~40
+    bytes of eager torch ops. Used where inductor does not fuse the quantization (the custom ops).
     ``use_triton``: default on CUDA tensors only; elsewhere this is :func:`quantize_rowwise` (the
-    same bytes; the interpreter would be slow in the CPU tests, which run the kernel through
+    same bytes; the interpreter would be slow in the CPU tests, which run the kernels through
     ``use_triton=True``)."""
     if use_triton is None:
         use_triton = x.is_cuda
     if x.dim() != 2 or not use_triton:
         return quantize_rowwise(x)
     R, C = x.shape
-    amax = torch.linalg.vector_norm(x, float("inf"), dim=-1)  # exact in x's dtype
     s = torch.empty((R, 1), device=x.device, dtype=torch.float32)
     q = torch.empty((R, C), device=x.device, dtype=E4M3)
+    if R and C and x.stride(1) == 1:
+        block_r, block_c = (64, 64) if interpreting() else (ROWS_PER_PROGRAM, 512)
+        _quantize_contiguous_rows_kernel[(triton.cdiv(R, block_r),)](
+            x, q.view(torch.uint8), s, R, C, x.stride(0), SOFT=interpreting(), BLOCK_R=block_r, BLOCK_C=block_c,
+            num_warps=4)
+        return q, s
+    amax = torch.linalg.vector_norm(x, float("inf"), dim=-1)  # exact in x's dtype
     if R and C:
         # The interpreter pays per program: one large block there keeps the CPU tests quick.
         block_r, block_c = (256, 1024) if interpreting() else (32, 128)
