@@ -48,7 +48,6 @@ E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 AMAX_EPS = 1e-12  # all-zero rows get a tiny finite scale (and quantize to zeros)
 ALIGN = 16  # _scaled_mm's (and _scaled_grouped_mm's) dimension multiple on CUDA
-ROWS_PER_PROGRAM = 4  # contiguous-row quantizer: few rows a program, so a 512-row weight still fills the GPU
 
 # torchao's rowwise defaults: fast (lower-precision) accumulation only for the forward GEMM; the
 # gradient GEMMs accumulate in full fp32, as their reductions (the tokens, in wgrad) are long.
@@ -134,7 +133,8 @@ def quantize_rowwise_fast(x: torch.Tensor, use_triton: bool | None = None) -> tu
     s = torch.empty((R, 1), device=x.device, dtype=torch.float32)
     q = torch.empty((R, C), device=x.device, dtype=E4M3)
     if R and C and x.stride(1) == 1:
-        block_r, block_c = (64, 64) if interpreting() else (ROWS_PER_PROGRAM, 512)
+        # Long rows: one a program (its second sweep re-reads it from L2); short ones: 4 a program.
+        block_r, block_c = (64, 64) if interpreting() else ((1, 1024) if C >= 2048 else (4, 256))
         _quantize_contiguous_rows_kernel[(triton.cdiv(R, block_r),)](
             x, q.view(torch.uint8), s, R, C, x.stride(0), SOFT=interpreting(), BLOCK_R=block_r, BLOCK_C=block_c,
             num_warps=4)
