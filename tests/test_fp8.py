@@ -123,6 +123,7 @@ def test_quantize_rowwise_skips_rows_with_no_valid_slot(slots):
     valid = torch.rand(M, slots, device=x.device) < 0.4
     valid[0] = False
     valid[1, -1] = True
+    valid[16:32] = False  # a whole program's rows (16 a program): it exits without a write
     q_all, s_all = Q.quantize_1x128(x)
     sentinel_q = torch.full((M, K), 0x55, dtype=torch.uint8, device=x.device)
     sentinel_s = torch.full((M, 3), -7.0, device=x.device)
