@@ -487,9 +487,10 @@ def test_scalar_and_vector_weight_scales_agree(routing):
 )
 def test_cols_grouped_and_wgrad(routing, pow2):
     """Token-dim quantization per expert 128-row block (gathered x, sorted dH), one zero-filled
-    128-column block per tile: bit-exact vs the reference (padding included, surplus tiles zero),
+    128-column block per tile: bit-exact vs the reference in the experts' tiles (padding included),
     and dW[e] = dH_e^T @ x_e: tight vs float64 of the dequantized operands, FP8-level vs the
-    unquantized product, exact zeros for an expert with no rows."""
+    unquantized product, exact zeros for an expert with no rows. The surplus tiles, left undefined,
+    are filled with NaN before the GEMM: it must not read them."""
     seed = random_seed()
     T, K, E, kind = routing
     D, F = 72, 48
@@ -501,13 +502,18 @@ def test_cols_grouped_and_wgrad(routing, pow2):
     btq, bts = Q.quantize_cols_grouped(x, offs, slots, K, pow2)
     atq, ats = Q.quantize_cols_grouped(dh, offs, None, 1, pow2)
     n_tiles = bts.shape[1]
-    real = torch.arange(128)[None, :] < _tile_rows(offs.cpu(), n_tiles)[:, None]  # (n_tiles, 128)
+    rows = _tile_rows(offs.cpu(), n_tiles)
+    used = int((rows > 0).sum())  # the experts' tiles come first; the rest are surplus
+    real = torch.arange(128)[None, :] < rows[:used, None]  # (used, 128)
     for got, src, sl in (((btq, bts), x, slots), ((atq, ats), dh, None)):
         gmsg = f"{msg} {'gathered' if sl is not None else 'sorted'}"
         want = Q.quantize_cols_grouped_ref(src, offs, sl, K if sl is not None else 1, pow2)
-        _assert_same_q(got, want, gmsg)
-        q3 = _bytes(got[0]).view(-1, n_tiles, 128).cpu()
-        assert (q3[:, ~real] == 0).all(), f"{gmsg}: padding or surplus tiles not zero"
+        _assert_same_q((got[0][:, : used * 128], got[1][:, :used]), (want[0][:, : used * 128], want[1][:, :used]),
+                       gmsg)
+        q3 = _bytes(got[0]).view(-1, n_tiles, 128)[:, :used].cpu()
+        assert (q3[:, ~real] == 0).all(), f"{gmsg}: padding not zero"
+        _bytes(got[0])[:, used * 128 :] = 0x7F  # e4m3 NaN
+        got[1][:, used:] = float("nan")
 
     dw = G.fp8_wgrad(atq, ats, btq, bts, offs)
     ref = G.fp8_wgrad_ref(atq, ats, btq, bts, offs)

@@ -174,8 +174,8 @@ def quantize_cols_grouped_ref(
     pow2_scales: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of :func:`quantize_cols_grouped` (host loops; tests only): qt (K, n_tiles * 128),
-    tile i's rows at columns ``128 i ...``, zeros past them and in surplus tiles; surplus tiles get
-    scale 0 (the kernel writes those zeros too)."""
+    tile i's rows at columns ``128 i ...``, zeros past them; surplus tiles (which the kernel leaves
+    undefined) zero here, with scale 0."""
     if sorted_slot_N is not None:
         xg = x[(sorted_slot_N.long() // top_k)]
     else:
@@ -309,11 +309,8 @@ def _cols_grouped_kernel(
     offs_r = tl.arange(0, _TILE)
     expert = tl.load(table_ptr + pid_t)
     if expert < 0:
-        # Surplus tile of the static schedule: a defined scale and its 128 columns of zeros (every
-        # column of qt is then written, and the GEMM reads them unmasked).
-        tl.store(st_ptr + pid_t * K + k64, tl.zeros((BLOCK_K,), tl.float32), mask=kmask)
-        zeros = tl.zeros((_TILE, BLOCK_K), tl.uint8)
-        tl.store(qt_ptr + k64[None, :] * LDQ + pid_t * _TILE + offs_r[:, None], zeros, mask=kmask[None, :])
+        # Surplus tile of the static schedule (half the tiles under expert parallelism, whose empty
+        # receive rows are slots of no expert): the wgrad GEMMs loop over each expert's tiles only.
         return
     row0 = tl.load(table_ptr + num_tiles + pid_t)
     row_end = tl.load(offsets_ptr + expert + 1)
@@ -492,14 +489,15 @@ def quantize_cols_grouped(
     Returns:
         qt_KP: (K, n_tiles * 128) e4m3, the quantized (gathered) rows stored transposed (token dim
             contiguous), each tile in its own 128 columns: tile i at columns [128 i, 128 i + 128),
-            its rows first, then zeros; surplus tiles all zeros. Every column is written. An
-            expert's rows so start at a multiple of 128, which lets fp8_wgrad's token-dim loads be
-            vectorized, for E * 128 more columns than the rows.
+            its rows first, then zeros (read unmasked by the GEMM). An expert's rows so start at a
+            multiple of 128, which lets fp8_wgrad's token-dim loads be vectorized, for E * 128
+            more columns than the rows. The columns of surplus tiles (past the experts' tiles) are
+            left undefined.
         st_KT: (K, n_tiles) fp32, n_tiles = Nr // 128 + E: column i is tile i of the 128-row tile
             table; tile i covers rows ``[row0_i, min(row0_i + 128, end of its expert))``; surplus
-            tiles get 0. Stored tile-major, (n_tiles, K) contiguous, and returned as its transposed
-            view (strides (1, K)), so that a GEMM reads one tile's scales for consecutive rows of
-            K in one contiguous copy.
+            tiles' scales are left undefined. Stored tile-major, (n_tiles, K) contiguous, and
+            returned as its transposed view (strides (1, K)), so that a GEMM reads one tile's
+            scales for consecutive rows of K in one contiguous copy.
     """
     _check_input(x, 2, "x")
     Nr = sorted_slot_N.numel() if sorted_slot_N is not None else x.shape[0]
