@@ -110,8 +110,8 @@ class Training:
     seed: int = _field(0, "random seed for initialisation and data order", ge=0)
     deterministic: bool = _field(False, "use deterministic algorithms (slower)")
     gc_freq: int = _field(50, "Python garbage collection: automatic collection is off while training and the "
-                          "trainer collects every gc_freq steps (its full passes took ~0.2 s mid-step, often in "
-                          "the optimizer step); 0 leaves Python's automatic collection on", ge=0)
+                          "trainer collects every gc_freq steps (Python's own full passes stall the GPU mid-step, "
+                          "often in the optimizer step); 0 leaves Python's automatic collection on", ge=0)
     mixed_precision_param: str = _field("bfloat16", "compute dtype of the forward/backward "
                                         "(parameters and optimizer state stay float32)", choices=("bfloat16", "float32"))
     device: str = _field("auto", "auto picks cuda when available, else cpu", choices=("auto", "cuda", "cpu"))

@@ -2,7 +2,7 @@
 
 CPython's automatic collector starts a full (generation 2) pass whenever enough objects have been
 allocated, wherever the program is. A training process holds a large heap (modules, compiled
-graphs, DTensor metadata), so a full pass takes ~0.2 s, and the optimizer step, which allocates
+graphs, DTensor metadata), so a full pass is long, and the optimizer step, which allocates
 many small objects, is where one usually starts: the GPU then idles for it. As TorchTitan does
 (``[training] gc_freq``), the trainer turns automatic collection off while it trains and collects
 the young generations itself every ``gc_freq`` steps, at the start of a step, so each pause is
@@ -21,7 +21,6 @@ class GarbageCollection:
 
     def __init__(self, freq: int):
         self.freq = freq
-        self.collections = 0
 
     def __enter__(self) -> GarbageCollection:
         self._was_enabled = gc.isenabled()
@@ -40,5 +39,3 @@ class GarbageCollection:
         # expensive part, is left alone.
         if self.freq > 0 and (step == 2 or (step > 1 and step % self.freq == 0)):
             gc.collect(1)
-            self.collections += 1
-

@@ -86,6 +86,15 @@ def _undefined_rows(num_rows: int, like: torch.Tensor) -> torch.Tensor:
     return like.new_empty((num_rows, like.shape[-1]))
 
 
+def _scatter_slot_rows(vals: torch.Tensor, slot_row_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """(num_rows, D) in ``vals``' dtype: row ``slot_row_TK[t, k]`` holds ``vals[t, k]`` ((T, K, D), or
+    (T, 1, D) for one row per token), dropped slots land in a spare row past the end and go with it,
+    and every other row is left undefined (:func:`_undefined_rows`)."""
+    buf_RD = _undefined_rows(num_rows + 1, vals)
+    buf_RD[slot_row_TK] = vals
+    return buf_RD[:num_rows]
+
+
 class _ScatterSlotRows(_GatherSlotRows):
     """The send buffer for a ``routed_rows_only`` backend: each slot's token row written to its row
     (dropped slots to a spare row past R), the empty rows left undefined; R - T x K fewer rows written
@@ -94,9 +103,7 @@ class _ScatterSlotRows(_GatherSlotRows):
     @staticmethod
     def forward(ctx, x_TD: torch.Tensor, slot_row_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
         ctx.save_for_backward(slot_row_TK)
-        buf_RD = _undefined_rows(num_rows + 1, x_TD)
-        buf_RD[slot_row_TK] = x_TD.unsqueeze(1)
-        return buf_RD[:num_rows]
+        return _scatter_slot_rows(x_TD.unsqueeze(1), slot_row_TK, num_rows)
 
 
 class _CombineSlotRows(torch.autograd.Function):
@@ -124,10 +131,8 @@ class _CombineSlotRows(torch.autograd.Function):
             grad_w_TK = (_slot_outputs(y_RD, slot_row_TK) * grad_TD.to(acc).unsqueeze(1)).sum(dim=-1).to(w_TK.dtype)
         grad_y_RD = None
         if ctx.needs_input_grad[0] and ctx.empty_undefined:
-            R = y_RD.shape[0]
-            grad_y_RD = _undefined_rows(R + 1, y_RD)  # row R absorbs the dropped slots
-            grad_y_RD[slot_row_TK] = (grad_TD.to(acc).unsqueeze(1) * w_TK.to(acc).unsqueeze(-1)).to(y_RD.dtype)
-            grad_y_RD = grad_y_RD[:R]
+            grad_TKD = (grad_TD.to(acc).unsqueeze(1) * w_TK.to(acc).unsqueeze(-1)).to(y_RD.dtype)
+            grad_y_RD = _scatter_slot_rows(grad_TKD, slot_row_TK, y_RD.shape[0])
         elif ctx.needs_input_grad[0]:
             real_R = row_slot_R >= 0
             slot_R = row_slot_R.clamp(min=0)

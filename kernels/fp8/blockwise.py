@@ -225,8 +225,8 @@ def _quantize_1x128_kernel(
     SOFT: tl.constexpr,
     HAS_VALID: tl.constexpr,
 ):
-    # One program per BLOCK_M rows, sweeping their K tiles: a program of empty rows exits at once,
-    # where one program per (rows, tile) launched ~10x more programs and skipped nothing measurable.
+    # One program per BLOCK_M rows, sweeping their K tiles: per-program latency, not bytes, bounds
+    # this kernel, so the grid stays small and a program of empty rows exits at once.
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < M
     if HAS_VALID:
