@@ -181,6 +181,9 @@ class ActivationCheckpoint:
                        "attention_and_moe (also the routed experts). Holds what those ops save for backward "
                        "(SDPA's q, k, v, output and log-sum-exp; the experts' saved tensors) through the "
                        "backward to skip their forward in the recomputation", choices=("none", "attention", "attention_and_moe"))
+    keep_layers: int = _field(0, "with keep, how many checkpointed blocks keep those ops: the first n, the others "
+                              "recomputed whole; fewer holds less memory (per kept block, what keep names), "
+                              "0 = every checkpointed block", ge=0)
 
 
 @dataclass
@@ -455,6 +458,10 @@ def _check_consistency(cfg: JobConfig, sources: dict[tuple[str, str], str]) -> N
                           f"[activation_checkpoint] keep = {ac.keep!r} keeps ops of checkpointed blocks, but "
                           f"mode = \"none\" checkpoints nothing; set mode = \"full\" (or \"selective\"), or "
                           f"keep = \"none\"")
+    if ac.keep_layers and ac.keep == "none":
+        raise ConfigError(f"{_where(sources, ('activation_checkpoint', 'keep_layers'), ('activation_checkpoint', 'keep'))}: "
+                          f"[activation_checkpoint] keep_layers = {ac.keep_layers} limits the blocks that keep ops, "
+                          f"but keep = \"none\" keeps none; set keep (e.g. \"attention\"), or keep_layers = 0")
     n = cfg.parallelism.simulate_world_size
     if n:
         where = _where(sources, ("parallelism", "simulate_world_size"))

@@ -67,7 +67,8 @@ def apply_ac(model: nn.Module, cfg: ActivationCheckpoint) -> None:
     memory for less recompute. Non-reentrant checkpointing, which composes with torch.compile and
     FSDP2 and lets custom ops (the MoE kernels) recompute like any other op.
 
-    ``keep`` other than "none": a checkpointed block is not wrapped; its forward becomes
+    ``keep`` other than "none": a checkpointed block (the first ``keep_layers`` of them, if not 0;
+    the others are wrapped whole) is not wrapped; its forward becomes
     :func:`keeping_forward`, which checkpoints the regions around the kept ops. Blocks are compiled
     in place before this (``parallelisms/__init__.py``), and the compiled call looks ``forward`` up
     when it first traces, so under compile those checkpoints sit inside the compiled block.
@@ -78,9 +79,11 @@ def apply_ac(model: nn.Module, cfg: ActivationCheckpoint) -> None:
         wrap_log = logging.getLogger("torch._higher_order_ops.wrap")
         if not any(isinstance(f, _NoContextFnNotice) for f in wrap_log.filters):
             wrap_log.addFilter(_NoContextFnNotice())
+    kept = 0
     for i, (name, block) in enumerate(list(model.layers.named_children())):
         if cfg.mode == "full" or i % cfg.selective_layer_interval == 0:
-            if cfg.keep != "none":
+            if cfg.keep != "none" and (cfg.keep_layers == 0 or kept < cfg.keep_layers):
+                kept += 1
                 block.forward = functools.partial(keeping_forward, block, cfg.keep)
             else:
                 model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))

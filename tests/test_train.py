@@ -344,19 +344,24 @@ def test_torchtitan_backend_without_its_package(capsys):
                          ids=["eager", "compiled"])
 def test_ac_keep_trains_like_full_ac(losses_of, keep, extra):
     """Keeping the attention core's (and the experts') outputs changes what is recomputed, not the
-    numbers: float32 on CPU, bitwise the losses of full activation checkpointing. (The debug
-    config's MoE backend is grouped_mm, the one that compiles.)"""
+    numbers: float32 on CPU, bitwise the losses of full activation checkpointing, also where only
+    the first block keeps them. (The debug config's MoE backend is grouped_mm, the one that compiles.)"""
     common = ["--training.steps", "3", "--activation_checkpoint.mode", "full", *extra]
     full = losses_of(*common)
     kept = losses_of(*common, "--activation_checkpoint.keep", keep)
-    assert kept == full
+    first_kept = losses_of(*common, "--activation_checkpoint.keep", keep, "--activation_checkpoint.keep_layers", "1")
+    assert kept == full and first_kept == full
 
 
-@pytest.mark.parametrize("keep,attend_calls,expert_calls", [("none", 2, 2), ("attention", 1, 2),
-                                                            ("attention_and_moe", 1, 1)])
-def test_ac_keep_skips_the_kept_ops_in_recomputation(tmp_path, monkeypatch, keep, attend_calls, expert_calls):
+@pytest.mark.parametrize("keep,keep_layers,attend_calls,expert_calls",
+                         [("none", 0, [2, 2], [2, 2]), ("attention", 0, [1, 1], [2, 2]),
+                          ("attention_and_moe", 0, [1, 1], [1, 1]), ("attention", 1, [1, 2], [2, 2]),
+                          ("attention_and_moe", 1, [1, 2], [1, 2]), ("attention", 5, [1, 1], [2, 2])])
+def test_ac_keep_skips_the_kept_ops_in_recomputation(tmp_path, monkeypatch, keep, keep_layers, attend_calls,
+                                                     expert_calls):
     """Per layer and step (eager): full AC runs the attention core and the experts twice (forward and
-    recomputation); each kept op runs once."""
+    recomputation); each kept op runs once, in the first ``keep_layers`` blocks where that is not 0
+    (more than the model has keeps all)."""
     from models.moe.moe import GroupedExperts
     from models.qwen3.model import Attention
 
@@ -374,16 +379,18 @@ def test_ac_keep_skips_the_kept_ops_in_recomputation(tmp_path, monkeypatch, keep
     monkeypatch.setattr(Attention, "attend", counting_attend)
     monkeypatch.setattr(GroupedExperts, "forward", counting_experts)
     trainer = make_trainer(tmp_path, "--training.steps", "1", "--activation_checkpoint.mode", "full",
-                           "--activation_checkpoint.keep", keep)
+                           "--activation_checkpoint.keep", keep, "--activation_checkpoint.keep_layers", str(keep_layers))
+    assert trainer.model_args.n_layers == len(attend_calls)
     run_losses(trainer)
-    layers = trainer.model_args.n_layers
-    assert calls == {"attend": attend_calls * layers, "experts": expert_calls * layers}
+    assert calls == {"attend": sum(attend_calls), "experts": sum(expert_calls)}
 
 
 @pytest.mark.unit
 def test_ac_keep_needs_checkpointing(tmp_path):
     with pytest.raises(ConfigError, match="keep = 'attention' keeps ops of checkpointed blocks"):
         make_trainer(tmp_path, "--activation_checkpoint.keep", "attention")
+    with pytest.raises(ConfigError, match="keep_layers = 2 limits the blocks that keep ops, but keep = \"none\""):
+        make_trainer(tmp_path, "--activation_checkpoint.mode", "full", "--activation_checkpoint.keep_layers", "2")
 
 
 def test_fused_adamw_clips_inside_its_kernel(tmp_path, monkeypatch):
