@@ -3,6 +3,7 @@
     python -m bench.fp8_kernels            # both shapes, T = 16384, top-8, E = 128
     python -m bench.fp8_kernels --sweep    # launch-parameter sweep of the three FP8 GEMMs, 30B shape
     python -m bench.fp8_kernels --kernels  # the whole op, with a kernel-by-kernel profile (bf16, FP8 cached)
+    python -m bench.fp8_kernels --quantizers  # the token-dim quantizers at one EP rank's rows, both shapes
 
 Prints time, TFLOP/s (GEMMs, counting only routed rows) and GB/s (quantization: bytes read +
 written). The GEMM block sizes are grouped_gemm._block_sizes' defaults.
@@ -269,6 +270,54 @@ def sweep(T: int = 16384, top_k: int = 8, E: int = 128, D: int = 2048, F: int = 
     return rows
 
 
+def quantizer_sweep(rows: int = 262144, routed: int = 131072, E: int = 16, shapes=SHAPES, device: str = "cuda",
+                    timer=None, variants=((32, 32, 4), (32, 128, 4), (32, 512, 4), (64, 512, 4), (32, 512, 8),
+                                          (64, 1024, 8))) -> list[str]:
+    """The wgrad operands' token-dim quantizer (``quantize_cols_grouped``) over (block_k, k_chunk,
+    warps), and the 1 x 128 quantizer with and without its valid-row mask, at the rows one rank of
+    EP 8 receives at capacity factor 2 (defaults: ``rows`` receive rows of which ``routed`` carry a
+    slot, over ``E`` local experts, top-1 as the backend sees them). (32, 32, 4) is one 128 x 32 block
+    per program, the grid before the sweep. Each variant's output is compared bitwise with the
+    first's on the experts' tiles; GB/s counts the routed rows' bytes read and written."""
+    dev, timer = device, timer or _ms
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    counts = torch.rand(E, generator=gen) + 0.2
+    counts = (counts / counts.sum() * routed).long()
+    counts[0] += routed - counts.sum()
+    offs = torch.zeros(E + 1, dtype=torch.int32)
+    offs[1:] = counts.cumsum(0)
+    offs = offs.to(dev)
+    slots = torch.randperm(rows, generator=gen).int().to(dev)
+    tiles = tile_table(offs, rows, Q.TILE)
+    used = int(((counts + Q.TILE - 1) // Q.TILE).sum())
+    valid = (torch.arange(rows, device=dev) < routed).view(rows, 1)
+    out = []
+
+    def t(label, fn, nbytes):
+        ms = timer(fn)
+        out.append(f"{label:60s} {ms:8.3f} ms {nbytes / ms / 1e6:6.0f} GB/s")
+        print(out[-1], flush=True)
+
+    for name, (D, F) in shapes.items():
+        for what, K, gather in (("x gathered", D, True), ("dH", 2 * F, False), ("s*A", F, False)):
+            x = torch.randn(rows, K, device=dev, dtype=torch.bfloat16)
+            sl = slots if gather else None
+            first = None
+            for bk, kc, warps in variants:
+                if kc % bk:
+                    continue
+                q, sc = Q.quantize_cols_grouped(x, offs, sl, 1, True, tiles, bk, kc, warps)
+                got = (q[:, : used * Q.TILE].view(torch.uint8), sc[:, :used])
+                first = first or got
+                same = torch.equal(got[0], first[0]) and torch.equal(got[1], first[1])
+                t(f"{name} quantize_cols_grouped {what} bk{bk} kc{kc} w{warps}{'' if same else ' DIFFERS'}",
+                  lambda: Q.quantize_cols_grouped(x, offs, sl, 1, True, tiles, bk, kc, warps), routed * K * 3)
+        x = torch.randn(rows, D, device=dev, dtype=torch.bfloat16)
+        t(f"{name} quantize_1x128 x, every row", lambda: Q.quantize_1x128(x, True), rows * D * 3)
+        t(f"{name} quantize_1x128 x, routed rows", lambda: Q.quantize_1x128(x, True, valid), routed * D * 3)
+    return out
+
+
 if __name__ == "__main__":
     import argparse
 
@@ -276,9 +325,13 @@ if __name__ == "__main__":
     parser.add_argument("--sweep", action="store_true", help="launch-parameter sweep only")
     parser.add_argument("--kernels", action="store_true", help="the whole op only, with a kernel-by-kernel "
                         "profile of bf16 mega and cached mega_fp8 forward + backward")
+    parser.add_argument("--quantizers", action="store_true", help="the token-dim quantizers' sweep at one EP "
+                        "rank's receive rows only")
     cli = parser.parse_args()
     if cli.sweep:
         sweep()
+    elif cli.quantizers:
+        quantizer_sweep()
     elif cli.kernels:
         time_moe_ops(breakdown=("mega (bf16)", "mega_fp8 cached"))
     else:

@@ -365,6 +365,17 @@ def test_bench_sweep_code_paths():
     assert len(rows) >= 20 and not [r for r in rows if "failed" in r], rows
 
 
+@pytest.mark.skipif(_HAS_CUDA, reason="the GPU runs the real sweep (python -m bench.fp8_kernels --quantizers)")
+def test_bench_quantizer_sweep_code_paths():
+    """bench/fp8_kernels.py's quantizer sweep at a tiny size: every variant runs and agrees bitwise
+    with the first on the experts' tiles (half the receive rows routed, an expert partly past a tile)."""
+    from bench import fp8_kernels
+
+    rows = fp8_kernels.quantizer_sweep(rows=512, routed=300, E=3, shapes={"tiny": (160, 48)}, device=DEVICE,
+                                       timer=lambda fn: (fn(), 1.0)[1])
+    assert len(rows) == 3 * 6 + 2 and not [r for r in rows if "DIFFERS" in r], rows
+
+
 # --------------------------------------------------------------------------------------------------
 # GPU only: the hardware path at the Qwen3-30B expert shape
 # --------------------------------------------------------------------------------------------------

@@ -297,21 +297,21 @@ def _cols_grouped_kernel(
     K,
     K_TOP,
     BLOCK_K: tl.constexpr,
+    K_CHUNK: tl.constexpr,  # columns per program, swept BLOCK_K at a time
     GATHER: tl.constexpr,
     POW2: tl.constexpr,
     SOFT: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    kmask = offs_k < K
-    k64 = offs_k.to(tl.int64)
-    offs_r = tl.arange(0, _TILE)
     expert = tl.load(table_ptr + pid_t)
     if expert < 0:
         # Surplus tile of the static schedule (half the tiles under expert parallelism, whose empty
         # receive rows are slots of no expert): the wgrad GEMMs loop over each expert's tiles only.
         return
+    # One program sweeps K_CHUNK columns of its tile: a program per 128 x BLOCK_K block launched
+    # hundreds of thousands of programs whose latency, not the bytes, set the time, and each
+    # reloaded the tile's gather indices.
+    offs_r = tl.arange(0, _TILE)
     row0 = tl.load(table_ptr + num_tiles + pid_t)
     row_end = tl.load(offsets_ptr + expert + 1)
     rows = row0 + offs_r
@@ -320,14 +320,20 @@ def _cols_grouped_kernel(
         src = (tl.load(sorted_slot_ptr + rows, mask=rmask, other=0) // K_TOP).to(tl.int64)
     else:
         src = rows.to(tl.int64)
-    mask = rmask[:, None] & kmask[None, :]
-    x = tl.load(x_ptr + src[:, None] * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-    s = scale_from_amax(tl.max(tl.abs(x), axis=0), POW2)
-    q = to_e4m3_bits(quantize_tile(x, s[None, :]), SOFT)
-    # The whole 128-column block of tile pid_t: rows past the expert's end were loaded as +0.0,
-    # which quantizes to the byte 0x00, so the block's tail is the zero padding the GEMM relies on.
-    tl.store(qt_ptr + k64[None, :] * LDQ + pid_t * _TILE + offs_r[:, None], q, mask=kmask[None, :])
-    tl.store(st_ptr + pid_t * K + k64, s, mask=kmask)
+    k_begin = tl.program_id(1) * K_CHUNK
+    k_end = tl.minimum(k_begin + K_CHUNK, K)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        kmask = offs_k < K
+        k64 = offs_k.to(tl.int64)
+        mask = rmask[:, None] & kmask[None, :]
+        x = tl.load(x_ptr + src[:, None] * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = scale_from_amax(tl.max(tl.abs(x), axis=0), POW2)
+        q = to_e4m3_bits(quantize_tile(x, s[None, :]), SOFT)
+        # The whole 128-column block of tile pid_t: rows past the expert's end were loaded as +0.0,
+        # which quantizes to the byte 0x00, so the block's tail is the zero padding the GEMM relies on.
+        tl.store(qt_ptr + k64[None, :] * LDQ + pid_t * _TILE + offs_r[:, None], q, mask=kmask[None, :])
+        tl.store(st_ptr + pid_t * K + k64, s, mask=kmask)
 
 
 @triton.jit
@@ -475,6 +481,7 @@ def quantize_cols_grouped(
     pow2_scales: bool = False,
     tiles: torch.Tensor | None = None,
     block_k: int | None = None,
+    k_chunk: int | None = None,
     num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """128 x 1 tiles over each expert's rows: the token-dim-quantized operand of the MoE wgrad.
@@ -484,8 +491,8 @@ def quantize_cols_grouped(
             (T, K) token rows gathered as ``x[sorted_slot_N[r] // top_k]`` (e.g. the layer input).
         offsets_E1: (E+1,) int32 from :func:`kernels.moe.routing.sort_by_expert`.
         tiles: optional tile table for block_m = 128 (built if None).
-        block_k, num_warps: columns per program (default 32 on the GPU) and warps, for the
-            benchmark sweep.
+        block_k, k_chunk, num_warps: columns per step (default 32 on the GPU), columns per program
+            (a multiple of block_k, swept block_k at a time) and warps, for the benchmark sweep.
     Returns:
         qt_KP: (K, n_tiles * 128) e4m3, the quantized (gathered) rows stored transposed (token dim
             contiguous), each tile in its own 128 columns: tile i at columns [128 i, 128 i + 128),
@@ -511,13 +518,16 @@ def quantize_cols_grouped(
         return qt, st
     if tiles is None:
         tiles = tile_table(offsets_E1, Nr, TILE)
-    # The interpreter's cost is per program (each tl op is a Python call), so it gets whole tiles.
-    # 32 columns per program: faster than 64 at the 30B shape.
-    block_k = 128 if interpreting() else (block_k or 32)
-    _cols_grouped_kernel[(n_tiles, triton.cdiv(K, block_k))](
+    # The interpreter's default is two steps per program, so the tests' widths exercise the sweep and
+    # its partial last step.
+    block_k = block_k or (64 if interpreting() else 32)
+    k_chunk = k_chunk or (2 * block_k if interpreting() else 512)
+    if k_chunk % block_k:
+        raise ValueError(f"quantize_cols_grouped: k_chunk {k_chunk} must be a multiple of block_k {block_k}")
+    _cols_grouped_kernel[(n_tiles, triton.cdiv(K, k_chunk))](
         x, qt.view(torch.uint8), st, sorted_slot_N if sorted_slot_N is not None else offsets_E1,
         offsets_E1, tiles, n_tiles, ldq, K, top_k,
-        BLOCK_K=block_k, GATHER=sorted_slot_N is not None, POW2=pow2_scales,
+        BLOCK_K=block_k, K_CHUNK=k_chunk, GATHER=sorted_slot_N is not None, POW2=pow2_scales,
         SOFT=interpreting(), num_warps=4 if interpreting() else num_warps,
     )  # fmt: skip
     return qt, st
