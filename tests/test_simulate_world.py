@@ -391,12 +391,13 @@ def test_compiled_blocks_of_two_widths_in_one_process(tmp_path, capsys, monkeypa
         assert all(math.isfinite(s["loss"]) for s in logged_steps(out).values()), out
 
 
-@pytest.mark.parametrize("keep", ["none", "attention"])
-def test_compiled_step_runs_each_exchange_once(tmp_path, monkeypatch, keep):
+@pytest.mark.parametrize("keep,keep_layers", [("none", 0), ("attention", 0), ("attention", 1)])
+def test_compiled_step_runs_each_exchange_once(tmp_path, monkeypatch, keep, keep_layers):
     """A compiled EP step sends the token rows 6 times per layer, no more: dispatch and return in the
-    forward, again in the recomputation, and their two backward all-to-alls. torch 2.11 traced the
-    exchange twice into the forward graph when the combine was an opaque op (8-9 per layer: an extra
-    exchange and expert forward per layer on the GPU machine's torch)."""
+    forward, again in the recomputation, and their two backward all-to-alls (also with one block
+    keeping attention and the other recomputed whole). torch 2.11 traced the exchange twice into the
+    forward graph when the combine was an opaque op (8-9 per layer: an extra exchange and expert
+    forward per layer on the GPU machine's torch)."""
     from parallelisms.simulate import LoopbackGroup
 
     rows_sent = []
@@ -413,7 +414,7 @@ def test_compiled_step_runs_each_exchange_once(tmp_path, monkeypatch, keep):
     trainer = make_trainer(tmp_path, *TINY, SIM, "4", EP, "2", "--model.n_layers", str(layers), "--compile.enable",
                            "--compile.backend", "aot_eager", "--compile.loss", "false",
                            "--training.mixed_precision_param", "bfloat16", "--activation_checkpoint.mode", "full",
-                           "--activation_checkpoint.keep", keep)
+                           "--activation_checkpoint.keep", keep, "--activation_checkpoint.keep_layers", str(keep_layers))
     try:
         run_losses(trainer, 1)  # compiles (and may run collectives while tracing)
         rows_sent.clear()
