@@ -569,27 +569,26 @@ def test_clear_errors():
 
 def test_quantizers_compile_for_sm90_with_the_hardware_cast(tmp_path):
     """The GPU path of every FP8 quantizer compiles for sm_90 (the CPU tests run the interpreter's
-    path only), casts with the hardware's saturating e4m3 conversion, and spills no registers."""
+    path only), casts with the hardware's saturating e4m3 conversion, and spills no registers
+    (``python -m bench.sass_report``, in a process without the interpreter)."""
+    import json
     import os
-    import re
     import subprocess
     import sys
 
     import triton
 
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    if not os.path.exists(os.path.join(bin_dir, "cuobjdump")):
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
         pytest.skip("triton ships no cuobjdump here")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    subprocess.run([sys.executable, "-m", "tests.sm90_quantizers", str(tmp_path)], cwd=root, env=env, check=True)
-    names = sorted(p.stem for p in tmp_path.glob("*.cubin"))
-    assert len(names) == 7, names
-    for name in names:
-        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", str(tmp_path / f"{name}.cubin")],
-                              capture_output=True, text=True, check=True).stdout
-        assert "F2FP.SATFINITE.E4M3" in sass, f"{name}: no hardware e4m3 conversion in the SASS"
-        assert not re.search(r"\b(LDL|STL)\b", sass), f"{name}: registers spill to local memory"
+    out = subprocess.run([sys.executable, "-m", "bench.sass_report", "--only", "quantizers", "--json",
+                          str(tmp_path / "sass.json")], cwd=root, env=env, check=True, capture_output=True, text=True)
+    stats = json.loads((tmp_path / "sass.json").read_text())
+    assert len(stats) == 7 and out.stdout.count("\n| ") == len(stats) + 1, out.stdout
+    for name, s in stats.items():
+        assert s["hw_e4m3_cast"], f"{name}: no hardware e4m3 conversion in the SASS"
+        assert s["spills"] == 0 and s["stack"] == 0, f"{name}: registers spill to local memory: {s}"
 
 
 # --------------------------------------------------------------------------------------------------
