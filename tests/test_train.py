@@ -344,13 +344,16 @@ def test_torchtitan_backend_without_its_package(capsys):
                          ids=["eager", "compiled"])
 def test_ac_keep_trains_like_full_ac(losses_of, keep, extra):
     """Keeping the attention core's (and the experts') outputs changes what is recomputed, not the
-    numbers: float32 on CPU, bitwise the losses of full activation checkpointing, also where only
-    the first block keeps them. (The debug config's MoE backend is grouped_mm, the one that compiles.)"""
+    numbers: float32 on CPU, bitwise the losses of full activation checkpointing, also (compiled)
+    where only the first block keeps them. (The debug config's MoE backend is grouped_mm, the one that compiles.)"""
     common = ["--training.steps", "3", "--activation_checkpoint.mode", "full", *extra]
     full = losses_of(*common)
     kept = losses_of(*common, "--activation_checkpoint.keep", keep)
-    first_kept = losses_of(*common, "--activation_checkpoint.keep", keep, "--activation_checkpoint.keep_layers", "1")
-    assert kept == full and first_kept == full
+    assert kept == full
+    if extra:  # compiled: kept and recomputed-whole blocks in one compiled model
+        first_kept = losses_of(*common, "--activation_checkpoint.keep", keep, "--activation_checkpoint.keep_layers",
+                               "1")
+        assert first_kept == full
 
 
 @pytest.mark.parametrize("keep,keep_layers,attend_calls,expert_calls",
