@@ -93,32 +93,43 @@ _COMPILE = {"gemm_st4": lambda: _compile_gemm(4, True), "gemm_st5": lambda: _com
             "grouped_da": lambda: _compile_grouped(torch.float32, False, False)}
 
 
-def _compile_to(name: str, folder: str) -> None:
-    """Compile kernel ``name`` and write its cubin, PTX and shared-memory size into ``folder``."""
-    kernel = _COMPILE[name]()
-    with open(os.path.join(folder, "k.cubin"), "wb") as f:
-        f.write(kernel.asm["cubin"])
-    with open(os.path.join(folder, "k.ptx"), "w") as f:
-        f.write(kernel.asm["ptx"])
-    with open(os.path.join(folder, "shared"), "w") as f:
-        f.write(str(kernel.metadata.shared))
+def _compile_all(folder: str) -> None:
+    """Compile every kernel of ``_COMPILE`` and write its cubin, PTX and shared-memory size into
+    ``folder/<name>/``."""
+    for name, build in _COMPILE.items():
+        kernel = build()
+        os.makedirs(os.path.join(folder, name))
+        with open(os.path.join(folder, name, "k.cubin"), "wb") as f:
+            f.write(kernel.asm["cubin"])
+        with open(os.path.join(folder, name, "k.ptx"), "w") as f:
+            f.write(kernel.asm["ptx"])
+        with open(os.path.join(folder, name, "shared"), "w") as f:
+            f.write(str(kernel.metadata.shared))
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """Every kernel compiled for sm_90, in one fresh process: once the Triton interpreter has run
+    kernels in this one (the CPU suite's other tests), Gluon's code generator fails on kernels it
+    compiles in a new cache."""
+    folder = tmp_path_factory.mktemp("sm90")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, "-c", "import sys; from tests.test_hopper_gemm import _compile_all; "
+                    "_compile_all(sys.argv[1])", str(folder)], cwd=root, check=True)
+    return folder
 
 
 @pytest.mark.skipif(not os.path.exists(os.path.join(BIN, "cuobjdump")), reason="triton ships no cuobjdump here")
 @pytest.mark.parametrize("kernel", list(_COMPILE))
-def test_compiles_for_sm90_without_spills(tmp_path, kernel):
-    # In a fresh process: once the Triton interpreter has run kernels in this one (the CPU suite's
-    # other tests), Gluon's code generator fails on kernels it compiles in a new cache.
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    subprocess.run([sys.executable, "-c", "import sys; from tests.test_hopper_gemm import _compile_to; "
-                    "_compile_to(sys.argv[1], sys.argv[2])", kernel, str(tmp_path)], cwd=root, check=True)
-    sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", str(tmp_path / "k.cubin")], capture_output=True,
+def test_compiles_for_sm90_without_spills(compiled, kernel):
+    folder = compiled / kernel
+    sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", str(folder / "k.cubin")], capture_output=True,
                           text=True, check=True).stdout
     assert "QGMMA.64x128x32.F32.E4M3.E4M3" in sass, "no FP8 warpgroup MMA in the SASS"
     assert not re.search(r"\b(LDL|STL)\b", sass), "registers spill to local memory"
-    shared = int((tmp_path / "shared").read_text())
+    shared = int((folder / "shared").read_text())
     assert shared <= 227 * 1024, f"{shared} bytes of shared memory"
-    ptx = (tmp_path / "k.ptx").read_text()
+    ptx = (folder / "k.ptx").read_text()
     assert "setmaxnreg" in ptx and "cp.async.bulk.tensor" in ptx
 
 
