@@ -308,9 +308,8 @@ def _cols_grouped_kernel(
         # Surplus tile of the static schedule (half the tiles under expert parallelism, whose empty
         # receive rows are slots of no expert): the wgrad GEMMs loop over each expert's tiles only.
         return
-    # One program sweeps K_CHUNK columns of its tile: a program per 128 x BLOCK_K block launched
-    # hundreds of thousands of programs whose latency, not the bytes, set the time, and each
-    # reloaded the tile's gather indices.
+    # One program per tile and K_CHUNK columns, swept BLOCK_K at a time: per-program latency, not
+    # bytes, bounds this kernel, so the grid stays small, and the tile's gather indices load once.
     offs_r = tl.arange(0, _TILE)
     row0 = tl.load(table_ptr + num_tiles + pid_t)
     row_end = tl.load(offsets_ptr + expert + 1)
