@@ -276,8 +276,8 @@ def quantizer_sweep(rows: int = 262144, routed: int = 131072, E: int = 16, shape
     """The wgrad operands' token-dim quantizer (``quantize_cols_grouped``) over (block_k, k_chunk,
     warps), and the 1 x 128 quantizer with and without its valid-row mask, at the rows one rank of
     EP 8 receives at capacity factor 2 (defaults: ``rows`` receive rows of which ``routed`` carry a
-    slot, over ``E`` local experts, top-1 as the backend sees them). (32, 32, 4) is one 128 x 32 block
-    per program, the grid before the sweep. Each variant's output is compared bitwise with the
+    slot, over ``E`` local experts, top-1 as the backend sees them). (32, 32, 4), one 128 x 32 block
+    per program and no sweep, is the baseline. Each variant's output is compared bitwise with the
     first's on the experts' tiles; GB/s counts the routed rows' bytes read and written."""
     dev, timer = device, timer or _ms
     gen = torch.Generator(device="cpu").manual_seed(0)
