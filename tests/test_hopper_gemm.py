@@ -18,12 +18,11 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
-from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
-from triton.runtime.jit import mangle_type  # noqa: E402
 
 from bench.hopper_gemm import make_grouped_inputs, make_inputs, make_wgrad_inputs  # noqa: E402
+from bench.sass_report import compile_for_sm90  # noqa: E402
 from kernels.fp8 import hopper_gemm as H  # noqa: E402
 from kernels.fp8 import hopper_grouped as G  # noqa: E402
 from kernels.fp8 import hopper_wgrad as W  # noqa: E402
@@ -39,12 +38,7 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 def _compile_sm90(fn, args: dict, consts: dict, divisible: tuple[str, ...]):
     """Compile a Gluon kernel for sm_90a without a GPU (host tensors stand in for the descriptors'
     bases); ``divisible`` names the arguments specialized as multiples of 16."""
-    names = list(fn.arg_names)
-    signature = {n: "constexpr" if n in consts else mangle_type(args[n]) for n in names}
-    constexprs = {(names.index(n), ): v for n, v in consts.items()}
-    attrs = {(names.index(n), ): [["tt.divisibility", 16]] for n in divisible}
-    src = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": H.MAXNREG})
+    return compile_for_sm90(fn, args, consts, divisible, source=GluonASTSource, num_warps=4, maxnreg=H.MAXNREG)
 
 
 def _fp8_descriptors(rows_a: int, rows_b: int, K: int, out_dtype: torch.dtype) -> dict:
