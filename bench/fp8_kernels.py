@@ -271,14 +271,14 @@ def sweep(T: int = 16384, top_k: int = 8, E: int = 128, D: int = 2048, F: int = 
 
 
 def quantizer_sweep(rows: int = 262144, routed: int = 131072, E: int = 16, shapes=SHAPES, device: str = "cuda",
-                    timer=None, variants=((32, 32, 4), (32, 128, 4), (32, 512, 4), (64, 512, 4), (32, 512, 8),
-                                          (64, 1024, 8))) -> list[str]:
+                    timer=None, variants=((32, 512, 4, 1), (64, 1024, 8, 1), (32, 512, 4, 2), (32, 512, 4, 3),
+                                          (64, 512, 4, 3), (64, 1024, 8, 3), (128, 1024, 8, 2))) -> list[str]:
     """The wgrad operands' token-dim quantizer (``quantize_cols_grouped``) over (block_k, k_chunk,
-    warps), and the 1 x 128 quantizer with and without its valid-row mask, at the rows one rank of
+    warps, stages), and the 1 x 128 quantizer with and without its valid-row mask, at the rows one rank of
     EP 8 receives at capacity factor 2 (defaults: ``rows`` receive rows of which ``routed`` carry a
-    slot, over ``E`` local experts, top-1 as the backend sees them). (32, 32, 4), one 128 x 32 block
-    per program and no sweep, is the baseline. Each variant's output is compared bitwise with the
-    first's on the experts' tiles; GB/s counts the routed rows' bytes read and written."""
+    slot, over ``E`` local experts, top-1 as the backend sees them). The first variant is the
+    default. Each variant's output is compared bitwise with the first's on the experts' tiles; GB/s
+    counts the routed rows' bytes read and written."""
     dev, timer = device, timer or _ms
     gen = torch.Generator(device="cpu").manual_seed(0)
     counts = torch.rand(E, generator=gen) + 0.2
@@ -303,15 +303,15 @@ def quantizer_sweep(rows: int = 262144, routed: int = 131072, E: int = 16, shape
             x = torch.randn(rows, K, device=dev, dtype=torch.bfloat16)
             sl = slots if gather else None
             first = None
-            for bk, kc, warps in variants:
+            for bk, kc, warps, stages in variants:
                 if kc % bk:
                     continue
-                q, sc = Q.quantize_cols_grouped(x, offs, sl, 1, True, tiles, bk, kc, warps)
+                q, sc = Q.quantize_cols_grouped(x, offs, sl, 1, True, tiles, bk, kc, warps, stages)
                 got = (q[:, : used * Q.TILE].view(torch.uint8), sc[:, :used])
                 first = first or got
                 same = torch.equal(got[0], first[0]) and torch.equal(got[1], first[1])
-                t(f"{name} quantize_cols_grouped {what} bk{bk} kc{kc} w{warps}{'' if same else ' DIFFERS'}",
-                  lambda: Q.quantize_cols_grouped(x, offs, sl, 1, True, tiles, bk, kc, warps), routed * K * 3)
+                t(f"{name} quantize_cols_grouped {what} bk{bk} kc{kc} w{warps} st{stages}{'' if same else ' DIFFERS'}",
+                  lambda: Q.quantize_cols_grouped(x, offs, sl, 1, True, tiles, bk, kc, warps, stages), routed * K * 3)
         x = torch.randn(rows, D, device=dev, dtype=torch.bfloat16)
         t(f"{name} quantize_1x128 x, every row", lambda: Q.quantize_1x128(x, True), rows * D * 3)
         t(f"{name} quantize_1x128 x, routed rows", lambda: Q.quantize_1x128(x, True, valid), routed * D * 3)

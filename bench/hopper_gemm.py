@@ -1,9 +1,10 @@
 """The warp-specialized Gluon FP8 GEMM (kernels/fp8/hopper_gemm.py) against cuBLAS's block-scaled
-FP8 (`torch._scaled_mm` with 1 x 128 and 128 x 128 scales), on the GPU; its K-grouped (wgrad) and
-M-grouped (down, dX, dA') siblings against the plain-Triton kernels of the MoE op.
+FP8 (`torch._scaled_mm` with 1 x 128 and 128 x 128 scales), on the GPU; its K-grouped (wgrad),
+M-grouped (down, dX, dA') and gate/up siblings against the plain-Triton kernels of the MoE op.
 
     python -m bench.hopper_gemm [--shapes 8192x8192x8192,131072x1536x2048] [--iters 50]
     python -m bench.hopper_gemm --shapes '' --wgrad-shapes '' --grouped-shapes 2048x768,2048x1536,768x2048
+    python -m bench.hopper_gemm --shapes '' --wgrad-shapes '' --grouped-shapes '' --gate-up-shapes 4096x1536
 
 Checks every variant against a float64 reference on fresh random inputs at awkward shapes (rows
 not a multiple of the tile, K not a multiple of 128), then times each variant (median of CUDA-event
@@ -155,6 +156,54 @@ def time_grouped(shapes: str, iters: int, experts: int = 128, rows: int = 131072
     return out
 
 
+def time_gate_up(shapes: str, iters: int) -> list[dict]:
+    """The MoE op's gate/up step (``kernels/moe/mega_fp8/forward.gate_up``: x's quantization, the
+    GEMM with w1 and w3, the SwiGLU + A-quantization epilogue; D x F per expert) on each engine, at
+    two routings: 16,384 tokens x top-8 over 128 experts (one GPU), and one EP rank's receive buffer
+    (262,144 rows with one slot each over 16 local experts, half of them empty). Also the Gluon
+    kernel alone on rows already in expert order. The engines' H and A (bytes and scales) must be
+    equal: they compute the same sums in the same order."""
+    from kernels.fp8 import blockwise as Q
+    from kernels.fp8.hopper_gate_up import fp8_gate_up_swiglu_ws
+    from kernels.moe.mega_fp8.forward import gate_up
+    from kernels.moe.routing import gather_sorted_rows, sort_by_expert, tile_table
+
+    out = []
+    for shape in shapes.split(","):
+        D, F = map(int, shape.split("x"))
+        for label, T, K, E in (("top-8", 16384, 8, 128), ("EP rank", 262144, 1, 16)):
+            x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+            ids = torch.rand(T, E, device="cuda").argsort(dim=1)[:, :K]
+            if K == 1:
+                ids[T // 2:] = -1
+            slots, offs = sort_by_expert(ids, E)
+            w1q, w1s = Q.quantize_weight((torch.randn(E, F, D, device="cuda") * 0.02).to(torch.bfloat16))
+            w3q, w3s = Q.quantize_weight((torch.randn(E, F, D, device="cuda") * 0.02).to(torch.bfloat16))
+            tiles = tile_table(offs, T * K, 128)
+            xq, xs = Q.quantize_1x128(x)
+            a_in = gather_sorted_rows(xq.view(torch.uint8), slots, offs, K).view(xq.dtype)
+            s_in = gather_sorted_rows(xs, slots, offs, K)
+            fns = {eng: (lambda eng=eng: gate_up(x, ids, w1q, w1s, w3q, w3s, slots, offs, False, eng, tiles))
+                   for eng in ("triton", "gluon")}
+            fns["gluon_kernel_only"] = lambda: fp8_gate_up_swiglu_ws(a_in, s_in, w1q, w1s, w3q, w3s, offs, tiles=tiles)
+            # Power-of-two A scales: the epilogue's division is then exact (the op runs without).
+            fns["gluon_kernel_pow2"] = lambda: fp8_gate_up_swiglu_ws(a_in, s_in, w1q, w1s, w3q, w3s, offs, tiles=tiles,
+                                                                     pow2_scales=True)
+            n = int(offs[-1])
+            got = [fns[eng]() for eng in ("triton", "gluon")]
+            # (H, A_q, A_s) of each engine, compared bytewise on the rows the op reads.
+            res = {"shape": f"{D}x{F} {label}", "equal": all(
+                torch.equal(a[:n].view(torch.uint8), b[:n].view(torch.uint8)) for a, b in zip(*got))}
+            flop = 2 * 2 * n * D * F
+            for name, fn in fns.items():
+                res[name] = flop / time_ms(fn, iters) / 1e9
+                print(f"gate/up {res['shape']} {name}: {res[name]:.0f} TFLOP/s", flush=True)
+            out.append(res)
+            del x, xq, a_in, w1q, w3q, got
+            torch.cuda.empty_cache()
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="8192x8192x8192,131072x1536x2048,131072x2048x768,131072x3072x4096,131072x4096x1536")
@@ -163,6 +212,8 @@ def main() -> None:
                    help="M x Ncol of the K-grouped wgrad over 131072 rows, 128 experts ('' skips)")
     p.add_argument("--grouped-shapes", default="2048x768,2048x1536,768x2048,4096x1536,4096x3072,1536x4096",
                    help="N x K of the M-grouped GEMMs over 131072 rows, 128 experts ('' skips)")
+    p.add_argument("--gate-up-shapes", default="2048x768,4096x1536",
+                   help="D x F of the gate/up step at one GPU's and one EP rank's routing ('' skips)")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
@@ -207,8 +258,9 @@ def main() -> None:
 
     wrows = time_wgrad(args.wgrad_shapes, args.iters) if args.wgrad_shapes else []
     grows = time_grouped(args.grouped_shapes, args.iters) if args.grouped_shapes else []
+    gurows = time_gate_up(args.gate_up_shapes, args.iters) if args.gate_up_shapes else []
     with open(os.path.join(args.out, "hopper_gemm.json"), "w") as f:
-        json.dump({"dense": rows, "wgrad": wrows, "grouped": grows}, f, indent=1)
+        json.dump({"dense": rows, "wgrad": wrows, "grouped": grows, "gate_up": gurows}, f, indent=1)
     if rows:
         print(f"\n{'TFLOP/s':<28}" + "".join(f"{r['shape']:>18}" for r in rows))
         for name in ["cublas"] + names:
@@ -219,6 +271,13 @@ def main() -> None:
             print(f"{r['shape']:<22}{r['triton']:>10.0f}{r['gluon']:>10.0f}{r['gluon_err']:>12.1e}")
             if not r["gluon_err"] < 1e-2:
                 bad.append((r["shape"], "gluon", r["gluon_err"]))
+    if gurows:
+        print(f"\n{'gate/up TFLOP/s':<24}{'triton':>8}{'gluon':>8}{'kernel':>8}{'pow2':>8}{'equal':>7}")
+        for r in gurows:
+            print(f"{r['shape']:<24}{r['triton']:>8.0f}{r['gluon']:>8.0f}{r['gluon_kernel_only']:>8.0f}"
+                  f"{r['gluon_kernel_pow2']:>8.0f}{str(r['equal']):>7}")
+            if not r["equal"]:
+                bad.append((r["shape"], "gate/up engines differ"))
     if wrows:
         print(f"\n{'wgrad TFLOP/s':<28}" + "".join(f"{r['shape']:>18}" for r in wrows))
         for name in [k for k in wrows[0] if k != "shape" and not k.endswith("_err")]:

@@ -106,11 +106,16 @@ def quantizers() -> dict[str, Build]:
     out = {}
     for valid in (False, True):
         out[f"quantize_1x128 valid={valid}"] = Build(Q._quantize_1x128_kernel, dict(
-            x_ptr=bf, q_ptr=u8, s_ptr=f32, valid_ptr=i8, M=16384, K=4096), dict(
-            SLOTS=1, BLOCK_M=16, POW2=True, SOFT=False, HAS_VALID=valid), 8)
+            x_ptr=bf, q_ptr=u8, s_ptr=f32, valid_ptr=i8, slot_ptr=i32, count_ptr=i32, M=16384, K=4096), dict(
+            SLOTS=1, BLOCK_M=16, POW2=True, SOFT=False, HAS_VALID=valid, GATHER=False, TOP_K=1), 8)
+    out["quantize_1x128_sorted"] = Build(Q._quantize_1x128_kernel, dict(
+        x_ptr=bf, q_ptr=u8, s_ptr=f32, valid_ptr=f32, slot_ptr=i32, count_ptr=i32, M=16384, K=4096), dict(
+        SLOTS=1, BLOCK_M=16, POW2=False, SOFT=False, HAS_VALID=False, GATHER=True, TOP_K=1), 8)
     for gather in (False, True):
         out[f"quantize_cols_grouped gather={gather}"] = Build(Q._cols_grouped_kernel, cols, dict(
-            BLOCK_K=32, K_CHUNK=512, GATHER=gather, POW2=True, SOFT=False), 4)
+            BLOCK_K=32, K_CHUNK=512, GATHER=gather, POW2=True, SOFT=False, STAGES=1), 4)
+    out["quantize_cols_grouped gather=True stages=3"] = Build(Q._cols_grouped_kernel, cols, dict(
+        BLOCK_K=32, K_CHUNK=512, GATHER=True, POW2=True, SOFT=False, STAGES=3), 4)
     for br, bc in ((1, 1024), (4, 256)):
         out[f"rowwise contiguous {br}x{bc}"] = Build(R._quantize_contiguous_rows_kernel, rows, dict(
             SOFT=False, BLOCK_R=br, BLOCK_C=bc), 4)
@@ -148,6 +153,8 @@ FAMILIES = {"quantizers": quantizers, "gemms": gemms}
 
 def report(families=tuple(FAMILIES), cubins: str | None = None) -> dict[str, dict]:
     out = {}
+    if cubins:
+        os.makedirs(cubins, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for family in families:
             for name, build in FAMILIES[family]().items():

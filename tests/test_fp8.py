@@ -139,6 +139,30 @@ def test_quantize_rowwise_skips_rows_with_no_valid_slot(slots):
         Q.quantize_1x128(x, valid_MS=valid[1:])
 
 
+@pytest.mark.parametrize("top_k,kind", [(1, "empty_slots"), (2, "random"), (1, "one_expert")])
+def test_quantize_sorted_rows_is_the_gathered_quantization(top_k, kind):
+    """quantize_1x128_sorted: row r is token row sorted_slot[r] // top_k quantized, bit for bit, for
+    the routed rows; the rows of empty slots after them are not written (pre-filled to show any)."""
+    seed = random_seed()
+    T, E, D = 41, 4, 300
+    x = _input(T, D, torch.bfloat16)
+    ids, _ = make_routing(T, top_k, E, kind)
+    slots, offs = sort_by_expert(ids, E)
+    n = int(offs[-1])
+    sentinel_q = torch.full((T * top_k, D), 0x55, dtype=torch.uint8, device=x.device)
+    sentinel_s = torch.full((T * top_k, 3), -7.0, device=x.device)
+    outs, real_empty = [sentinel_q.view(Q.FP8), sentinel_s], torch.empty
+    with mock.patch.object(Q.torch, "empty", side_effect=lambda *a, **k: outs.pop(0) if outs else real_empty(*a, **k)):
+        q, s = Q.quantize_1x128_sorted(x, slots, offs, top_k)
+    assert not outs
+    q_all, s_all = Q.quantize_1x128(x)
+    tok = slots[:n].long() // top_k
+    assert torch.equal(_bytes(q)[:n], _bytes(q_all)[tok]) and torch.equal(s[:n], s_all[tok]), f"seed {seed}"
+    assert (_bytes(q)[n:] == 0x55).all() and (s[n:] == -7.0).all(), f"seed {seed}"
+    with pytest.raises(ValueError, match="top_k"):
+        Q.quantize_1x128_sorted(x, slots, offs, top_k + 1)
+
+
 @pytest.mark.parametrize("pow2", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 1), (37, 300), (64, 256), (130, 129)])
@@ -585,7 +609,7 @@ def test_quantizers_compile_for_sm90_with_the_hardware_cast(tmp_path):
     out = subprocess.run([sys.executable, "-m", "bench.sass_report", "--only", "quantizers", "--json",
                           str(tmp_path / "sass.json")], cwd=root, env=env, check=True, capture_output=True, text=True)
     stats = json.loads((tmp_path / "sass.json").read_text())
-    assert len(stats) == 7 and out.stdout.count("\n| ") == len(stats) + 1, out.stdout
+    assert len(stats) == 9 and out.stdout.count("\n| ") == len(stats) + 1, out.stdout
     for name, s in stats.items():
         assert s["hw_e4m3_cast"], f"{name}: no hardware e4m3 conversion in the SASS"
         assert s["spills"] == 0 and s["stack"] == 0, f"{name}: registers spill to local memory: {s}"

@@ -372,7 +372,7 @@ def test_bench_quantizer_sweep_code_paths():
     from bench import fp8_kernels
 
     rows = fp8_kernels.quantizer_sweep(rows=512, routed=300, E=3, shapes={"tiny": (160, 48)}, device=DEVICE,
-                                       timer=lambda fn: (fn(), 1.0)[1], variants=((32, 32, 4), (32, 64, 4), (64, 128, 8)))
+                                       timer=lambda fn: (fn(), 1.0)[1], variants=((32, 32, 4, 1), (32, 64, 4, 3), (64, 128, 8, 2)))
     assert len(rows) == 3 * 3 + 2 and not [r for r in rows if "DIFFERS" in r], rows
 
 
@@ -389,18 +389,19 @@ def test_gpu_30b_shape(engine):
     assert errors["y"] < 0.07, errors
 
 
-def _count_gluon_grouped_calls(monkeypatch) -> list:
-    """Counts the op's calls of the Gluon M-grouped kernel (``forward.grouped_gemm`` imports it at
-    each call, so the spy on the module attribute sees them)."""
-    from kernels.fp8 import hopper_grouped
+def _count_gluon_calls(monkeypatch, module: str = "hopper_grouped", fn: str = "fp8_grouped_gemm_ws") -> list:
+    """Counts the op's calls of a Gluon kernel (the op imports it at each call, so the spy on the
+    module attribute sees them): by default the M-grouped one, or the gate/up one."""
+    import importlib
 
-    calls, real = [], hopper_grouped.fp8_grouped_gemm_ws
+    mod = importlib.import_module(f"kernels.fp8.{module}")
+    calls, real = [], getattr(mod, fn)
 
     def spy(a_q, *args, **kwargs):
         calls.append(tuple(a_q.shape))
         return real(a_q, *args, **kwargs)
 
-    monkeypatch.setattr(hopper_grouped, "fp8_grouped_gemm_ws", spy)
+    monkeypatch.setattr(mod, fn, spy)
     return calls
 
 
@@ -413,18 +414,21 @@ def _count_gluon_grouped_calls(monkeypatch) -> list:
     (150, 1, 8, 256, 128, "empty_slots"),
 ])
 def test_gpu_gluon_grouped_gemms(T, K, E, D, F, kind, monkeypatch):
-    """The down, dX and dA' GEMMs on the Gluon engine: the whole op against both oracles with
-    awkward routings, and the kernel really ran three times."""
-    calls = _count_gluon_grouped_calls(monkeypatch)
+    """The gate/up, down, dX and dA' GEMMs on the Gluon engine: the whole op against both oracles
+    with awkward routings, and the kernels really ran (gate/up where F is whole 128-column tiles)."""
+    calls = _count_gluon_calls(monkeypatch)
+    gate_up = _count_gluon_calls(monkeypatch, "hopper_gate_up", "fp8_gate_up_swiglu_ws")
     _check(T, K, E, D, F, kind, engine="gluon")
     assert len(calls) == 3, calls
+    assert len(gate_up) == (1 if F % 128 == 0 else 0), gate_up
 
 
 @pytest.mark.skipif(not (_HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)), reason="needs an sm_90 GPU")
 def test_gpu_235b_width(monkeypatch):
-    """At the Qwen3-235B widths (D 4096, F 1536) ``auto`` takes the Gluon kernel for all three
-    M-grouped GEMMs; the op stays within FP8 error."""
-    calls = _count_gluon_grouped_calls(monkeypatch)
+    """At the Qwen3-235B widths (D 4096, F 1536) ``auto`` takes the Gluon kernels for gate/up and
+    all three M-grouped GEMMs; the op stays within FP8 error."""
+    calls = _count_gluon_calls(monkeypatch)
+    gate_up = _count_gluon_calls(monkeypatch, "hopper_gate_up", "fp8_gate_up_swiglu_ws")
     errors = _check(512, 8, 16, 4096, 1536, "random", engine="auto")
-    assert len(calls) == 3, calls
+    assert len(calls) == 3 and len(gate_up) == 1, (calls, gate_up)
     assert errors["y"] < 0.07, errors

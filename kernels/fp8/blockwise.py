@@ -213,10 +213,12 @@ def group_tile_offsets(offsets_E1: torch.Tensor, block: int = TILE) -> torch.Ten
 
 @triton.jit
 def _quantize_1x128_kernel(
-    x_ptr,  # (M, K) bf16/fp32
+    x_ptr,  # (M, K) bf16/fp32; with GATHER (T, K), row m reads token row slot[m] // TOP_K
     q_ptr,  # (M, K) uint8 view of e4m3 out
     s_ptr,  # (M, cdiv(K, 128)) fp32 out
     valid_ptr,  # (M, SLOTS) int8/bool: rows with no nonzero entry are skipped (when HAS_VALID)
+    slot_ptr,  # (M,) int32 sorted slots (when GATHER)
+    count_ptr,  # (1,) int32: rows from this one on are skipped (when GATHER)
     M,
     K,
     SLOTS: tl.constexpr,
@@ -224,11 +226,14 @@ def _quantize_1x128_kernel(
     POW2: tl.constexpr,
     SOFT: tl.constexpr,
     HAS_VALID: tl.constexpr,
+    GATHER: tl.constexpr,
+    TOP_K: tl.constexpr,
 ):
     # One program per BLOCK_M rows, sweeping their K tiles: per-program latency, not bytes, bounds
     # this kernel, so the grid stays small and a program of empty rows exits at once.
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < M
+    src_m = offs_m.to(tl.int64)
     if HAS_VALID:
         # Under expert parallelism half the received rows are empty: neither read nor written.
         nz = tl.zeros([BLOCK_M], dtype=tl.int32)
@@ -236,14 +241,17 @@ def _quantize_1x128_kernel(
             v = tl.load(valid_ptr + offs_m.to(tl.int64) * SLOTS + j, mask=row_ok, other=0)
             nz += (v != 0).to(tl.int32)
         row_ok = row_ok & (nz > 0)
+    if GATHER:
+        row_ok = row_ok & (offs_m < tl.load(count_ptr))
+        src_m = (tl.load(slot_ptr + offs_m, mask=row_ok, other=0) // TOP_K).to(tl.int64)
     if tl.max(row_ok.to(tl.int32), axis=0) > 0:
         num_kb = tl.cdiv(K, _TILE)
         for kb in range(0, num_kb):
             offs_k = kb * _TILE + tl.arange(0, _TILE)
             mask = row_ok[:, None] & (offs_k < K)[None, :]
-            off = offs_m.to(tl.int64)[:, None] * K + offs_k[None, :]
-            x = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + src_m[:, None] * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
             s = scale_from_amax(tl.max(tl.abs(x), axis=1), POW2)
+            off = offs_m.to(tl.int64)[:, None] * K + offs_k[None, :]
             tl.store(q_ptr + off, to_e4m3_bits(quantize_tile(x, s[:, None]), SOFT), mask=mask)
             tl.store(s_ptr + offs_m.to(tl.int64) * num_kb + kb, s, mask=row_ok)
 
@@ -301,6 +309,7 @@ def _cols_grouped_kernel(
     GATHER: tl.constexpr,
     POW2: tl.constexpr,
     SOFT: tl.constexpr,
+    STAGES: tl.constexpr,  # > 1: the sweep's loads software-pipelined (async copies) this deep
 ):
     pid_t = tl.program_id(0)
     expert = tl.load(table_ptr + pid_t)
@@ -321,7 +330,7 @@ def _cols_grouped_kernel(
         src = rows.to(tl.int64)
     k_begin = tl.program_id(1) * K_CHUNK
     k_end = tl.minimum(k_begin + K_CHUNK, K)
-    for k0 in range(k_begin, k_end, BLOCK_K):
+    for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=STAGES):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         kmask = offs_k < K
         k64 = offs_k.to(tl.int64)
@@ -438,8 +447,35 @@ def quantize_1x128(x_MK: torch.Tensor, pow2_scales: bool = False, valid_MS: torc
     block_m = 16
     valid = x_MK if valid_MS is None else valid_MS.view(torch.int8)
     _quantize_1x128_kernel[(triton.cdiv(M, block_m),)](
-        x_MK, q.view(torch.uint8), s, valid, M, K, SLOTS=1 if valid_MS is None else valid_MS.shape[1],
-        BLOCK_M=block_m, POW2=pow2_scales, SOFT=interpreting(), HAS_VALID=valid_MS is not None, num_warps=8,
+        x_MK, q.view(torch.uint8), s, valid, s, s, M, K, SLOTS=1 if valid_MS is None else valid_MS.shape[1],
+        BLOCK_M=block_m, POW2=pow2_scales, SOFT=interpreting(), HAS_VALID=valid_MS is not None, GATHER=False,
+        TOP_K=1, num_warps=8,
+    )  # fmt: skip
+    return q, s
+
+
+def quantize_1x128_sorted(x_TD: torch.Tensor, sorted_slot_N: torch.Tensor, offsets_E1: torch.Tensor, top_k: int,
+                          pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_1x128` of x's rows in expert-sorted order, in one pass: row r of the result is
+    token row ``sorted_slot_N[r] // top_k`` quantized, for r < offsets_E1[E]; the later rows (empty
+    slots) are left undefined. The operand of a grouped GEMM that takes no row index, as
+    ``gather_sorted_rows`` of ``quantize_1x128(x)`` gives it, without writing and re-reading x's
+    quantized copy: with one slot per row (expert parallelism's receive buffer) it moves 3 bytes
+    an element instead of 5. Returns (q (N, D) e4m3, s (N, ceil(D/128)) fp32)."""
+    _check_input(x_TD, 2, "x_TD")
+    T, D = x_TD.shape
+    N = sorted_slot_N.numel()
+    if sorted_slot_N.dtype != torch.int32 or offsets_E1.dtype != torch.int32 or N != T * top_k:
+        raise ValueError(f"sorted_slot_N ({sorted_slot_N.dtype}, {N} entries) and offsets_E1 ({offsets_E1.dtype}) "
+                         f"must be int32, one slot per token x top_k = {T} x {top_k} (routing.sort_by_expert)")
+    q = torch.empty((N, D), device=x_TD.device, dtype=FP8)
+    s = torch.empty((N, triton.cdiv(D, TILE)), device=x_TD.device, dtype=torch.float32)
+    if N == 0 or D == 0:
+        return q, s
+    block_m = 16
+    _quantize_1x128_kernel[(triton.cdiv(N, block_m),)](
+        x_TD, q.view(torch.uint8), s, s, sorted_slot_N, offsets_E1[-1:], N, D, SLOTS=1, BLOCK_M=block_m,
+        POW2=pow2_scales, SOFT=interpreting(), HAS_VALID=False, GATHER=True, TOP_K=top_k, num_warps=8,
     )  # fmt: skip
     return q, s
 
@@ -482,6 +518,7 @@ def quantize_cols_grouped(
     block_k: int | None = None,
     k_chunk: int | None = None,
     num_warps: int = 4,
+    stages: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """128 x 1 tiles over each expert's rows: the token-dim-quantized operand of the MoE wgrad.
 
@@ -490,8 +527,9 @@ def quantize_cols_grouped(
             (T, K) token rows gathered as ``x[sorted_slot_N[r] // top_k]`` (e.g. the layer input).
         offsets_E1: (E+1,) int32 from :func:`kernels.moe.routing.sort_by_expert`.
         tiles: optional tile table for block_m = 128 (built if None).
-        block_k, k_chunk, num_warps: columns per step (default 32 on the GPU), columns per program
-            (a multiple of block_k, swept block_k at a time) and warps, for the benchmark sweep.
+        block_k, k_chunk, num_warps, stages: columns per step (default 32 on the GPU), columns per
+            program (a multiple of block_k, swept block_k at a time), warps, and the depth to which
+            the sweep's loads are software-pipelined (1: not), for the benchmark sweep.
     Returns:
         qt_KP: (K, n_tiles * 128) e4m3, the quantized (gathered) rows stored transposed (token dim
             contiguous), each tile in its own 128 columns: tile i at columns [128 i, 128 i + 128),
@@ -527,7 +565,7 @@ def quantize_cols_grouped(
         x, qt.view(torch.uint8), st, sorted_slot_N if sorted_slot_N is not None else offsets_E1,
         offsets_E1, tiles, n_tiles, ldq, K, top_k,
         BLOCK_K=block_k, K_CHUNK=k_chunk, GATHER=sorted_slot_N is not None, POW2=pow2_scales,
-        SOFT=interpreting(), num_warps=4 if interpreting() else num_warps,
+        SOFT=interpreting(), STAGES=stages, num_warps=4 if interpreting() else num_warps,
     )  # fmt: skip
     return qt, st
 

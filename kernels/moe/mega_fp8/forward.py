@@ -10,6 +10,11 @@ every GEMM operand in block-scaled e4m3, composed from the building blocks of ``
                                                                        epilogue (slot = sorted_slot[r])
     y[t]        = sum_k Ybuf[t*K + k]                                  sum_over_k (fp32, fixed order)
 
+On the Gluon engine (Hopper) gate/up and down run the warp-specialized kernels
+(``kernels/fp8/hopper_gate_up.py``, ``hopper_grouped.py``), which load A by TMA: x's e4m3 rows and
+scales are put in expert order first (:func:`gate_up`), the same bytes the Triton kernel gathers
+itself.
+
 The weights are quantized on every call, here and again in the backward (which also makes the
 transposed copies dgrad reads), unless the caller passes ``quantized``: the copies made once per
 optimizer step by ``components/compute_weights.py`` (``weights.py``). Per call that is 2 reads of the
@@ -23,10 +28,10 @@ from __future__ import annotations
 import torch
 
 from kernels.fp8.grouped_gemm import fp8_gate_up_swiglu, fp8_grouped_gemm
-from kernels.fp8.blockwise import quantize_1x128, quantize_weight
+from kernels.fp8.blockwise import quantize_1x128, quantize_1x128_sorted, quantize_weight
 from kernels.triton_utils import interpreting
 from kernels.moe.combine import combine_slots
-from kernels.moe.routing import sort_by_expert, tile_table
+from kernels.moe.routing import gather_sorted_rows, sort_by_expert, tile_table
 from kernels.moe.mega_fp8.weights import QuantizedExpertWeights
 
 
@@ -73,6 +78,40 @@ def gate_up_block_m() -> int:
     return 16 if interpreting() else 128
 
 
+def gate_up(x_TD, topk_ids_TK, w1_q, w1_s, w3_q, w3_s, sorted_slot_N, offsets_E1, pow2_scales, engine, tiles):
+    """(H_N2F, A_q, A_s) of the gate/up GEMM with its SwiGLU + quantization epilogue, on ``engine``,
+    from x's 1 x 128 quantization (rows of tokens with no routed slot are never read).
+    ``tiles``: the tile table at :func:`gate_up_block_m` rows.
+
+    The Gluon kernel loads A by TMA, so its rows are put in expert order first: with one slot per
+    row (expert parallelism's receive buffer) the quantizer writes them there directly
+    (``quantize_1x128_sorted``: 3 bytes an element moved); with top-k > 1 x is quantized once and
+    its e4m3 rows gathered (each token row would otherwise be read k times). The Triton kernel
+    gathers x's rows itself."""
+    K = topk_ids_TK.shape[1]
+    D, F = x_TD.shape[1], w1_q.shape[1]
+    if engine == "gluon":
+        from kernels.fp8.hopper_gate_up import fp8_gate_up_swiglu_ws, gate_up_supported  # Gluon: where it runs
+
+        if gate_up_supported(D, F, x_TD.dtype) and gate_up_block_m() == 128:
+            if K == 1:
+                a_in, s_in = quantize_1x128_sorted(x_TD, sorted_slot_N, offsets_E1, 1, pow2_scales)
+            else:
+                x_q, x_s = quantize_1x128(x_TD, pow2_scales, topk_ids_TK >= 0)
+                a_in = gather_sorted_rows(x_q.view(torch.uint8), sorted_slot_N, offsets_E1, K).view(x_q.dtype)
+                s_in = gather_sorted_rows(x_s, sorted_slot_N, offsets_E1, K)
+                del x_q, x_s
+            h_N2F, (a_q, a_s) = fp8_gate_up_swiglu_ws(a_in, s_in, w1_q, w1_s, w3_q, w3_s, offsets_E1, x_TD.dtype,
+                                                      tiles, pow2_scales)
+            return h_N2F, a_q, a_s
+    x_q, x_s = quantize_1x128(x_TD, pow2_scales, topk_ids_TK >= 0)
+    h_N2F, _, (a_q, a_s) = fp8_gate_up_swiglu(
+        x_q, x_s, w1_q, w1_s, w3_q, w3_s, sorted_slot_N, offsets_E1, K, out_dtype=x_TD.dtype,
+        quantize_a=True, store_a=False, pow2_scales=pow2_scales, tiles=tiles, block_m=gate_up_block_m(),
+    )  # fmt: skip
+    return h_N2F, a_q, a_s
+
+
 def moe_fp8_forward(
     x_TD: torch.Tensor,
     topk_ids_TK: torch.Tensor,
@@ -88,8 +127,8 @@ def moe_fp8_forward(
     """Launch the FP8 forward. x and the weights bf16, contiguous; routing weights fp32. With
     ``quantized`` (the weights' e4m3 copies) the weights are not read and may have any dtype.
     ``engine`` ("gluon" or "triton", resolved by the caller: ``kernels/fp8/engine.py``) runs the
-    down GEMM (:func:`grouped_gemm`). Only rows of x with a routed slot are read;
-    ``write_empty_rows`` False leaves y's rows of tokens with none undefined.
+    gate/up GEMM (:func:`gate_up`) and the down GEMM (:func:`grouped_gemm`). Only rows of x with a
+    routed slot are read; ``write_empty_rows`` False leaves y's rows of tokens with none undefined.
 
     Returns:
         y_TD: (T, D) bf16.
@@ -101,18 +140,14 @@ def moe_fp8_forward(
     sorted_slot_N, offsets_E1 = sort_by_expert(topk_ids_TK, E)
     bm_gu = gate_up_block_m()
     tiles_gu = tile_table(offsets_E1, T * K, bm_gu)
-    # Tokens with no routed slot (expert parallelism's empty receive rows) are never gathered: skip them.
-    x_q, x_s = quantize_1x128(x_TD, pow2_scales, topk_ids_TK >= 0)
     if quantized is None:
         w1_q, w1_s = quantize_weight(w1_EFD, pow2_scales)
         w3_q, w3_s = quantize_weight(w3_EFD, pow2_scales)
     else:
         w1_q, w1_s, w3_q, w3_s = quantized.w1_q, quantized.w1_s, quantized.w3_q, quantized.w3_s
-    h_N2F, _, (a_q, a_s) = fp8_gate_up_swiglu(
-        x_q, x_s, w1_q, w1_s, w3_q, w3_s, sorted_slot_N, offsets_E1, K, out_dtype=x_TD.dtype,
-        quantize_a=True, store_a=False, pow2_scales=pow2_scales, tiles=tiles_gu, block_m=bm_gu,
-    )  # fmt: skip
-    del x_q, x_s, w1_q, w1_s, w3_q, w3_s
+    h_N2F, a_q, a_s = gate_up(x_TD, topk_ids_TK, w1_q, w1_s, w3_q, w3_s, sorted_slot_N, offsets_E1, pow2_scales,
+                              engine, tiles_gu)
+    del w1_q, w1_s, w3_q, w3_s
     w2_q, w2_s = quantize_weight(w2_EDF, pow2_scales) if quantized is None else (quantized.w2_q, quantized.w2_s)
     # The down GEMM's own tile table is built only where its Triton kernel runs at other rows per tile.
     ybuf_ND = grouped_gemm(a_q, a_s, w2_q, w2_s, offsets_E1, x_TD.dtype, engine,
