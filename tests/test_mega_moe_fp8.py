@@ -389,6 +389,74 @@ def test_gpu_30b_shape(engine):
     assert errors["y"] < 0.07, errors
 
 
+def _gluon_twins(monkeypatch) -> dict:
+    """The Gluon kernels replaced by the Triton kernels they equal bit for bit, at the blocks the
+    Triton engine runs, and the engine resolution let through: the op's Gluon data path (operands
+    put in expert order first, by ``quantize_1x128_sorted`` or a row gather) runs on the CPU then.
+    Returns the twins' call counts."""
+    from kernels.fp8 import grouped_gemm as G
+    from kernels.fp8 import hopper_gate_up, hopper_grouped, hopper_wgrad
+    from kernels.moe.mega_fp8 import forward as Fw
+    from kernels.moe.mega_fp8 import op
+
+    calls = {"gate_up": 0, "grouped": 0, "wgrad": 0}
+    bm, bn = Fw.gemm_blocks()
+
+    def grouped(a_q, a_s, b_q, b_s, offsets_E1, out_dtype=torch.bfloat16, tiles=None, out_slot_N=None,
+                slot_weights_N=None, **_):
+        calls["grouped"] += 1
+        return G.fp8_grouped_gemm(a_q, a_s, b_q, b_s, offsets_E1, out_dtype=out_dtype, block_m=bm, block_n=bn,
+                                  out_slot_N=out_slot_N, slot_weights_N=slot_weights_N)
+
+    def gate_up(a_q, a_s, w1_q, w1_s, w3_q, w3_s, offsets_E1, out_dtype=torch.bfloat16, tiles=None,
+                pow2_scales=False, **_):
+        calls["gate_up"] += 1
+        rows = torch.arange(a_q.shape[0], dtype=torch.int32, device=a_q.device)  # already in expert order
+        h, _, a = G.fp8_gate_up_swiglu(a_q, a_s, w1_q, w1_s, w3_q, w3_s, rows, offsets_E1, 1, out_dtype=out_dtype,
+                                       quantize_a=True, store_a=False, pow2_scales=pow2_scales,
+                                       block_m=Fw.gate_up_block_m())
+        return h, a
+
+    def wgrad(at_q, at_s, bt_q, bt_s, offsets_E1, out_dtype=torch.float32, **_):
+        calls["wgrad"] += 1
+        return G.fp8_wgrad(at_q, at_s, bt_q, bt_s, offsets_E1, out_dtype, *B._wgrad_blocks())
+
+    monkeypatch.setattr(hopper_grouped, "fp8_grouped_gemm_ws", grouped)
+    monkeypatch.setattr(hopper_gate_up, "fp8_gate_up_swiglu_ws", gate_up)
+    monkeypatch.setattr(hopper_wgrad, "fp8_wgrad_ws", wgrad)
+    monkeypatch.setattr(op, "resolve_engine", lambda requested, device: requested)
+    return calls
+
+
+@pytest.mark.parametrize("T,K,E,kind", [(40, 1, 4, "empty_slots"), (21, 2, 4, "empty_expert"), (19, 1, 3, "one_expert")])
+def test_gluon_data_path_equals_the_triton_engine(T, K, E, kind, monkeypatch):
+    """The Gluon engine's operand layout, checked without a GPU: with each Gluon kernel replaced by
+    its Triton twin, the op's outputs and gradients equal the Triton engine's bit for bit. One slot
+    per row quantizes x and dy straight into expert order; top-2 quantizes, then gathers."""
+    seed = random_seed()
+    D, F = 160, 128  # sizes every Gluon kernel but dW2's (D rows, not whole 128-row tiles) takes
+    calls = _gluon_twins(monkeypatch)
+    x, ids, s, w1, w3, w2, dy = _inputs(T, K, E, D, F, kind)
+    sorted_quantizer = []
+    real = Q.quantize_1x128_sorted
+    monkeypatch.setattr(Q, "quantize_1x128_sorted", lambda *a, **k: sorted_quantizer.append(1) or real(*a, **k))
+    from kernels.moe.mega_fp8 import forward as Fw
+
+    monkeypatch.setattr(Fw, "quantize_1x128_sorted", Q.quantize_1x128_sorted)
+    monkeypatch.setattr(B, "quantize_1x128_sorted", Q.quantize_1x128_sorted)
+    out = {}
+    for engine in ("triton", "gluon"):
+        leaves = [t.clone().requires_grad_() for t in (x, s, w1, w3, w2)]
+        y, h, slots, offs = torch.ops.mega_moe_fp8.forward(leaves[0], ids, *leaves[1:], "fp8", False, engine, True, [])
+        out[engine] = (y, h[: int(offs[-1])], *torch.autograd.grad(y, leaves, dy))
+        if engine == "triton":
+            assert calls == {"gate_up": 0, "grouped": 0, "wgrad": 0} and not sorted_quantizer
+    assert calls["gate_up"] == 1 and calls["grouped"] == 3 and calls["wgrad"] >= 1, calls
+    assert len(sorted_quantizer) == (2 if K == 1 else 0), f"x and dy quantized into expert order: {sorted_quantizer}"
+    for name, a, b in zip(("y", "h") + GRADS, out["triton"], out["gluon"]):
+        assert torch.equal(a, b), f"seed {seed}: {name} differs between the engines' data paths"
+
+
 def _count_gluon_calls(monkeypatch, module: str = "hopper_grouped", fn: str = "fp8_grouped_gemm_ws") -> list:
     """Counts the op's calls of a Gluon kernel (the op imports it at each call, so the spy on the
     module attribute sees them): by default the M-grouped one, or the gate/up one."""

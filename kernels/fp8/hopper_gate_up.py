@@ -5,9 +5,10 @@ warp-specialized Hopper (sm_90a) engine of :mod:`kernels.fp8.hopper_grouped`.
     H[r] = [gate | up] (bf16), A = silu(gate) * up (rounded to bf16), A quantized 1 x 128 (e4m3 + fp32 scale)
 
 the result of :func:`kernels.fp8.grouped_gemm.fp8_gate_up_swiglu` (``quantize_a=True, store_a=False``),
-bit for bit, for expert-sorted rows r whose A rows are already in expert order: the op gathers the
-token rows first (:func:`kernels.moe.routing.gather_sorted_rows` on the e4m3 bytes and on their
-scales), so that both operands load by TMA.
+bit for bit, for expert-sorted rows r whose A rows are already in expert order, so that both
+operands load by TMA: the op writes x's quantized rows there first
+(:func:`kernels.moe.mega_fp8.forward.gate_up`: ``quantize_1x128_sorted``, or ``gather_sorted_rows`` of
+the quantized rows and scales).
 
 The partitions are the grouped kernel's: a one-warp producer streams per K block the A tile and the
 expert's w1 and w3 tiles (TMA) with A's row scales and the two block scales (cp.async); two consumer

@@ -2,7 +2,8 @@
 
 With g, u the gate/up halves of H (saved by the forward, expert-sorted rows r, slot = sorted_slot[r]):
 
-    dy_q, dy_s  = quantize_1x128(dy)                                   1 x 128 along D
+    dy_q, dy_s  = quantize_1x128(dy)                                   1 x 128 along D (on the Gluon
+                                                                         engine in expert order)
     dA'[r]      = dy[tok(r)] @ w2[e]                                     fp8_grouped_gemm (fp32 out),
     ds[slot]    = rowsum(dA'[r] * silu(g) * u)                           then _dh_from_da_kernel: the
     dgate = s * dA' * u * silu'(g),  dup = s * dA' * silu(g)             SwiGLU backward, which also
@@ -40,6 +41,7 @@ from kernels.fp8.blockwise import (
     interpreting,
     quantize_cols_grouped,
     quantize_1x128,
+    quantize_1x128_sorted,
     quantize_tile,
     quantize_weight_into,
     scale_from_amax,
@@ -173,11 +175,14 @@ def dh_swiglu(
     store_sa: bool = True,
     pow2_scales: bool = False,
     engine: str = "triton",
+    dy_sorted: bool = False,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor | None]:
     """FP8 dA' = dy_gathered @ w2[e] with the SwiGLU backward and the routing-weight grad as epilogue.
 
     Args:
-        dy_q, dy_s: (T, D) e4m3 and (T, ceil(D/128)) fp32, 1 x 128 tiles (``quantize_1x128(dy)``).
+        dy_q, dy_s: (T, D) e4m3 and (T, ceil(D/128)) fp32, 1 x 128 tiles (``quantize_1x128(dy)``);
+            with ``dy_sorted`` (N, D) and (N, ceil(D/128)), already in expert order
+            (``quantize_1x128_sorted``), for the Gluon engine only.
         w2t_q, w2t_s: (E, F, D) e4m3 and (E, ceil(F/128), ceil(D/128)) fp32: w2's quantized bytes
             and block scales transposed (``q.mT``, ``s.mT``, contiguous).
         h_N2F: (N, 2F) [gate | up] from the forward; topk_weights_TK: (T, K) fp32.
@@ -206,10 +211,15 @@ def dh_swiglu(
     ds_part_PN = torch.empty((FB, N), device=dev, dtype=torch.float32)
     if N == 0:
         return dh_N2F, (dh_q, dh_s), ds_part_PN.sum(0).view(T, K), sa_NF
+    if dy_sorted and engine != "gluon":
+        raise ValueError("dh_swiglu: dy_sorted is for the Gluon engine (the Triton kernel gathers dy's rows itself)")
     if engine == "gluon":
         # dy's rows in expert order (e4m3 moved as bytes); rows past the experts' are never read.
-        dyg_q = gather_sorted_rows(dy_q.view(torch.uint8), sorted_slot_N, offsets_E1, K).view(FP8)
-        dyg_s = gather_sorted_rows(dy_s, sorted_slot_N, offsets_E1, K)
+        if dy_sorted:
+            dyg_q, dyg_s = dy_q, dy_s
+        else:
+            dyg_q = gather_sorted_rows(dy_q.view(torch.uint8), sorted_slot_N, offsets_E1, K).view(FP8)
+            dyg_s = gather_sorted_rows(dy_s, sorted_slot_N, offsets_E1, K)
         da_NF = grouped_gemm(dyg_q, dyg_s, w2t_q, w2t_s, offsets_E1, torch.float32, engine)
         del dyg_q, dyg_s
     else:
@@ -319,7 +329,13 @@ def moe_fp8_backward(
     # Empty slots' rows lie past every expert's tiles: skipped in the sum, zeroed in ds, and dy rows
     # of tokens with no valid slot (expert parallelism's empty rows) are never gathered.
     valid_N = valid_slots(sorted_slot_N, offsets_E1)
-    dy_q, dy_s = quantize_1x128(dy_TD, pow2_scales, valid_N.view(T, K))
+    # The Gluon dA' GEMM reads dy's rows in expert order: with one slot per row (expert parallelism's
+    # receive buffer) they are quantized straight there, as the forward's x (forward.gate_up).
+    dy_sorted = engine == "gluon" and K == 1
+    if dy_sorted:
+        dy_q, dy_s = quantize_1x128_sorted(dy_TD, sorted_slot_N, offsets_E1, 1, pow2_scales)
+    else:
+        dy_q, dy_s = quantize_1x128(dy_TD, pow2_scales, valid_N.view(T, K))
     if quantized is None:
         w2t_q, w2t_s = transposed_weight(w2_EDF, pow2_scales)
     else:
@@ -327,7 +343,7 @@ def moe_fp8_backward(
     tiles128 = tile_table(offsets_E1, N, TILE)
     dh_N2F, (dh_q, dh_s), ds_TK, sa_NF = dh_swiglu(
         dy_q, dy_s, w2t_q, w2t_s, h_N2F, topk_weights_TK, sorted_slot_N, offsets_E1,
-        store_sa=True, pow2_scales=pow2_scales, engine=engine,
+        store_sa=True, pow2_scales=pow2_scales, engine=engine, dy_sorted=dy_sorted,
     )  # fmt: skip
     del dy_q, dy_s, w2t_q, w2t_s
 

@@ -93,7 +93,7 @@ def gate_up(x_TD, topk_ids_TK, w1_q, w1_s, w3_q, w3_s, sorted_slot_N, offsets_E1
     if engine == "gluon":
         from kernels.fp8.hopper_gate_up import fp8_gate_up_swiglu_ws, gate_up_supported  # Gluon: where it runs
 
-        if gate_up_supported(D, F, x_TD.dtype) and gate_up_block_m() == 128:
+        if gate_up_supported(D, F, x_TD.dtype):
             if K == 1:
                 a_in, s_in = quantize_1x128_sorted(x_TD, sorted_slot_N, offsets_E1, 1, pow2_scales)
             else:
@@ -101,8 +101,9 @@ def gate_up(x_TD, topk_ids_TK, w1_q, w1_s, w3_q, w3_s, sorted_slot_N, offsets_E1
                 a_in = gather_sorted_rows(x_q.view(torch.uint8), sorted_slot_N, offsets_E1, K).view(x_q.dtype)
                 s_in = gather_sorted_rows(x_s, sorted_slot_N, offsets_E1, K)
                 del x_q, x_s
+            # The kernel takes 128-row tiles: ``tiles`` is that table wherever Gluon runs (on the GPU).
             h_N2F, (a_q, a_s) = fp8_gate_up_swiglu_ws(a_in, s_in, w1_q, w1_s, w3_q, w3_s, offsets_E1, x_TD.dtype,
-                                                      tiles, pow2_scales)
+                                                      tiles if gate_up_block_m() == 128 else None, pow2_scales)
             return h_N2F, a_q, a_s
     x_q, x_s = quantize_1x128(x_TD, pow2_scales, topk_ids_TK >= 0)
     h_N2F, _, (a_q, a_s) = fp8_gate_up_swiglu(
