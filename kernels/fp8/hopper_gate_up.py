@@ -23,12 +23,12 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from kernels.fp8.blockwise import TILE
 from kernels.fp8.grouped_gemm import _check_fp8, _check_scales
-from kernels.fp8.hopper_gemm import BLOCK_K, CONSUMER_REGS, MAXNREG, PRODUCER_REGS, _descriptor, allocate_ring
+from kernels.fp8.hopper_gemm import (BLOCK_K, CONSUMER_REGS, MAXNREG, PRODUCER_REGS, _descriptor, allocate_ring,
+                                     load_stage)
 from kernels.fp8.hopper_grouped import _tile_of
 from kernels.moe.routing import max_tiles, tile_table
 
@@ -43,7 +43,6 @@ def _producer(a_desc, b1_desc, b3_desc, as_ptr, w1s_ptr, w3s_ptr, table_ptr, a_b
               bs_bufs, ready, empty, num_tiles, NR, F, K, SA_R, SA_K):
     TM: gl.constexpr = a_desc.block_type.shape[0]
     TN: gl.constexpr = b1_desc.block_type.shape[0]
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
     vec: gl.constexpr = gl.BlockedLayout([TM // 32], [32], [1], [0])
     num_n = (F + TN - 1) // TN
     kb_count = (K + BLOCK_K - 1) // BLOCK_K
@@ -54,21 +53,12 @@ def _producer(a_desc, b1_desc, b3_desc, as_ptr, w1s_ptr, w3s_ptr, table_ptr, a_b
     for tile in range(gl.program_id(0), real * num_n, gl.num_programs(0)):
         expert, row0, pid_n = _tile_of(tile, num_n, num_tiles, table_ptr)
         rows = row0 + offs
-        b_row = expert * F + pid_n * TN
         for kb in range(kb_count):
-            s = it % STAGES
-            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-            bar = ready.index(s)
             scale = (expert * num_n + pid_n) * kb_count + kb
-            async_copy.async_copy_global_to_shared(as_bufs.index(s), as_ptr + rows * SA_R + kb * SA_K, mask=rows < NR)
             # Lane 0 copies w1's block scale, lane 1 w3's.
-            bs_src = gl.where(lane == 0, w1s_ptr + scale, w3s_ptr + scale)
-            async_copy.async_copy_global_to_shared(bs_bufs.index(s), bs_src, mask=lane < 2)
-            async_copy.mbarrier_arrive(bar)
-            mbarrier.expect(bar, a_desc.block_type.nbytes + 2 * b1_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(a_desc, [row0, kb * BLOCK_K], bar, a_bufs.index(s))
-            tma.async_copy_global_to_shared(b1_desc, [b_row, kb * BLOCK_K], bar, b1_bufs.index(s))
-            tma.async_copy_global_to_shared(b3_desc, [b_row, kb * BLOCK_K], bar, b3_bufs.index(s))
+            load_stage(a_desc, b1_desc, a_bufs, b1_bufs, as_bufs, bs_bufs, ready, empty, it, row0,
+                       expert * F + pid_n * TN, kb * BLOCK_K, as_ptr + rows * SA_R + kb * SA_K, rows < NR,
+                       gl.where(lane == 0, w1s_ptr + scale, w3s_ptr + scale), lane < 2, b3_desc, b3_bufs)
             it += 1
 
 

@@ -52,9 +52,10 @@ def _tile_coords(tile, num_m, num_n, GROUP_M: gl.constexpr):
 
 @gluon.jit
 def load_stage(a_desc, b_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, it, a_row, b_row, k, as_src, as_mask,
-               bs_src, bs_mask):
+               bs_src, bs_mask, b2_desc=None, b2_bufs=None):
     """Producer step ``it``: once its ring stage is free, copy the scales (cp.async from the
-    pointer tensors ``as_src`` / ``bs_src``) and the A and B tiles at (a_row, k), (b_row, k) (TMA)."""
+    pointer tensors ``as_src`` / ``bs_src``) and the A and B tiles at (a_row, k), (b_row, k) (TMA);
+    with ``b2_desc`` also a second B tile at (b_row, k) into ``b2_bufs`` (gate/up's w3)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     s = it % STAGES
     mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
@@ -64,9 +65,14 @@ def load_stage(a_desc, b_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, i
     async_copy.async_copy_global_to_shared(as_bufs.index(s), as_src, mask=as_mask)
     async_copy.async_copy_global_to_shared(bs_bufs.index(s), bs_src, mask=bs_mask)
     async_copy.mbarrier_arrive(bar)
-    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+    if b2_desc is None:
+        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+    else:
+        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes + b2_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(a_desc, [a_row, k], bar, a_bufs.index(s))
     tma.async_copy_global_to_shared(b_desc, [b_row, k], bar, b_bufs.index(s))
+    if b2_desc is not None:
+        tma.async_copy_global_to_shared(b2_desc, [b_row, k], bar, b2_bufs.index(s))
 
 
 @gluon.jit
