@@ -79,14 +79,15 @@ def _compile_grouped(out_dtype: torch.dtype, scatter: bool, weighted: bool):
                           "LDO"))
 
 
-def _compile_gate_up(pow2: bool):
+def _compile_gate_up(pow2: bool, mma_epilogue: bool = True):
     NR, F, D, E = 4096, 1536, 4096, 8
     desc = lambda rows: H._descriptor(torch.empty(rows, D, dtype=FP8), [128, 128], gl.float8e4nv)  # noqa: E731
     args = dict(a_desc=desc(NR), b1_desc=desc(E * F), b3_desc=desc(E * F), h_ptr=torch.empty(8, dtype=torch.bfloat16),
                 aq_ptr=torch.empty(8, dtype=FP8), as_out_ptr=torch.empty(8), as_ptr=torch.empty(8), w1s_ptr=torch.empty(8),
                 w3s_ptr=torch.empty(8), offsets_ptr=torch.empty(8, dtype=torch.int32),
                 table_ptr=torch.empty(8, dtype=torch.int32), num_tiles=40, NR=NR, F=F, K=D, SA_R=32, SA_K=1)
-    return _compile_sm90(GU._fp8_gate_up_ws_kernel, args, dict(STAGES=GU.STAGES, POW2=pow2, SA_K=1),
+    return _compile_sm90(GU._fp8_gate_up_ws_kernel, args, dict(STAGES=GU.STAGES, POW2=pow2, MMA_EPILOGUE=mma_epilogue,
+                                                               SA_K=1),
                          ("h_ptr", "aq_ptr", "as_out_ptr", "as_ptr", "w1s_ptr", "w3s_ptr", "offsets_ptr", "table_ptr",
                           "F", "K", "SA_R"))
 
@@ -98,7 +99,8 @@ _COMPILE = {"gemm_st4": lambda: _compile_gemm(4, True), "gemm_st5": lambda: _com
             "grouped_down": lambda: _compile_grouped(torch.bfloat16, True, True),
             "grouped_dx": lambda: _compile_grouped(torch.bfloat16, True, False),
             "grouped_da": lambda: _compile_grouped(torch.float32, False, False),
-            "gate_up_pow2": lambda: _compile_gate_up(True), "gate_up": lambda: _compile_gate_up(False)}
+            "gate_up_pow2": lambda: _compile_gate_up(True), "gate_up": lambda: _compile_gate_up(False),
+            "gate_up_store_epilogue": lambda: _compile_gate_up(False, mma_epilogue=False)}
 
 
 def _compile_all(folder: str) -> None:
@@ -116,8 +118,9 @@ def _compile_all(folder: str) -> None:
 
 
 # The gate/up epilogue's IEEE division (A / its row scale, bit-exact with the references) keeps one
-# register in local memory around its slow path: a store and two loads per consumer warpgroup, per tile.
-EPILOGUE_SPILLS = {"gate_up": 6, "gate_up_pow2": 6}
+# register in local memory around its slow path: a store and two loads per consumer warpgroup, per
+# tile (four with the epilogue in the store layout).
+EPILOGUE_SPILLS = {"gate_up": 6, "gate_up_pow2": 6, "gate_up_store_epilogue": 8}
 
 
 def _local_memory_in_loops(sass: str) -> list[str]:
@@ -307,8 +310,8 @@ GATE_UP_CASES = [(300, 8, 8, 256, 256, "random"), (129, 1, 4, 208, 128, "one_exp
 
 @pytest.mark.skipif(not IS_HOPPER, reason="needs an sm_90 (Hopper) GPU")
 @pytest.mark.parametrize("case", GATE_UP_CASES, ids=lambda c: f"T{c[0]}k{c[1]}E{c[2]}D{c[3]}F{c[4]}-{c[5]}")
-@pytest.mark.parametrize("pow2", [False, True])
-def test_gate_up_matches_the_triton_kernel(case, pow2):
+@pytest.mark.parametrize("pow2,mma_epilogue", [(False, True), (True, True), (False, False)])
+def test_gate_up_matches_the_triton_kernel(case, pow2, mma_epilogue):
     """The Gluon gate/up over rows gathered into expert order against the Triton kernel (which
     gathers them itself) and float64: H and A's e4m3 bytes and scales, on the rows the op reads."""
     from kernels.fp8 import blockwise as Q
@@ -326,7 +329,8 @@ def test_gate_up_matches_the_triton_kernel(case, pow2):
     tiles = tile_table(offs, T * K, 128)
     a_in = gather_sorted_rows(xq.view(torch.uint8), slots, offs, K).view(xq.dtype)
     s_in = gather_sorted_rows(xs, slots, offs, K)
-    h, (aq, a_s) = GU.fp8_gate_up_swiglu_ws(a_in, s_in, w1q, w1s, w3q, w3s, offs, tiles=tiles, pow2_scales=pow2)
+    h, (aq, a_s) = GU.fp8_gate_up_swiglu_ws(a_in, s_in, w1q, w1s, w3q, w3s, offs, tiles=tiles, pow2_scales=pow2,
+                                            mma_epilogue=mma_epilogue)
     h_t, _, (aq_t, as_t) = fp8_gate_up_swiglu(xq, xs, w1q, w1s, w3q, w3s, slots, offs, K, quantize_a=True,
                                               store_a=False, pow2_scales=pow2, tiles=tiles, block_m=128)
     n = int(offs[-1])

@@ -104,8 +104,37 @@ def _epilogue(acc_g, acc_u, h_ptr, aq_ptr, as_out_ptr, row0, end, pid_n, F, POW2
 
 
 @gluon.jit
+def _epilogue_in_store_layout(acc_g, acc_u, h_ptr, aq_ptr, as_out_ptr, row0, end, pid_n, F, POW2: gl.constexpr,
+                              store_layout: gl.constexpr):
+    """:func:`_epilogue` with gate and up moved to the store layout first and the math done there
+    (two layout changes instead of three, the row amax across threads). Kept while the two are
+    timed against each other (``bench.hopper_gemm --gate-up-shapes``)."""
+    R: gl.constexpr = acc_g.type.shape[0]
+    C: gl.constexpr = acc_g.type.shape[1]
+    dtype: gl.constexpr = h_ptr.dtype.element_ty
+    gate = gl.convert_layout(acc_g.to(dtype), store_layout)
+    up = gl.convert_layout(acc_u.to(dtype), store_layout)
+    rows = row0 + gl.arange(0, R, gl.SliceLayout(1, store_layout))
+    cols = pid_n * C + gl.arange(0, C, gl.SliceLayout(0, store_layout))
+    rmask = rows < end
+    cmask = cols < F
+    mask = rmask[:, None] & cmask[None, :]
+    r64 = rows.to(gl.int64)
+    h_ptrs = h_ptr + r64[:, None] * (2 * F) + cols[None, :]
+    gl.store(h_ptrs, gate, mask=mask)
+    gl.store(h_ptrs + F, up, mask=mask)
+    g = gate.to(gl.float32)
+    act = (g / (1.0 + gl.exp(-g)) * up.to(gl.float32)).to(dtype).to(gl.float32)
+    act = gl.where(cmask[None, :], act, 0.0)
+    s = _scale_from_amax(gl.max(gl.abs(act), axis=1), POW2)
+    y = gl.minimum(gl.maximum(gl.div_rn(act, s[:, None]), -E4M3_MAX), E4M3_MAX)
+    gl.store(aq_ptr + r64[:, None] * F + cols[None, :], y.to(gl.float8e4nv), mask=mask)
+    gl.store(as_out_ptr + r64 * ((F + C - 1) // C) + pid_n, s, mask=rmask)
+
+
+@gluon.jit
 def _consumer(h_ptr, aq_ptr, as_out_ptr, offsets_ptr, table_ptr, a_bufs, b1_bufs, b3_bufs, as_bufs, bs_bufs, ready,
-              empty, num_tiles, F, K, POW2: gl.constexpr, WG: gl.constexpr):
+              empty, num_tiles, F, K, POW2: gl.constexpr, MMA_EPILOGUE: gl.constexpr, WG: gl.constexpr):
     TN: gl.constexpr = b1_bufs.type.shape[1]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     ROW0: gl.constexpr = WG * 64
@@ -139,38 +168,43 @@ def _consumer(h_ptr, aq_ptr, as_out_ptr, offsets_ptr, table_ptr, a_bufs, b1_bufs
             mbarrier.arrive(empty.index(s), count=1)
             acc_u = acc_u + part * s3[:, None]
             it += 1
-        _epilogue(acc_g, acc_u, h_ptr, aq_ptr, as_out_ptr, row0 + ROW0, gl.load(offsets_ptr + expert + 1), pid_n, F,
-                  POW2, store_layout)
+        end = gl.load(offsets_ptr + expert + 1)
+        if MMA_EPILOGUE:
+            _epilogue(acc_g, acc_u, h_ptr, aq_ptr, as_out_ptr, row0 + ROW0, end, pid_n, F, POW2, store_layout)
+        else:
+            _epilogue_in_store_layout(acc_g, acc_u, h_ptr, aq_ptr, as_out_ptr, row0 + ROW0, end, pid_n, F, POW2,
+                                      store_layout)
 
 
 @gluon.jit
 def _worker(a_desc, b1_desc, b3_desc, h_ptr, aq_ptr, as_out_ptr, as_ptr, w1s_ptr, w3s_ptr, offsets_ptr, table_ptr,
             a_bufs, b1_bufs, b3_bufs, as_bufs, bs_bufs, ready, empty, num_tiles, NR, F, K, SA_R, SA_K,
-            POW2: gl.constexpr, ROLE: gl.constexpr):
+            POW2: gl.constexpr, MMA_EPILOGUE: gl.constexpr, ROLE: gl.constexpr):
     # Worker partitions share one signature: ROLE 0 loads, ROLE 1 is the second consumer warpgroup.
     if ROLE == 0:
         _producer(a_desc, b1_desc, b3_desc, as_ptr, w1s_ptr, w3s_ptr, table_ptr, a_bufs, b1_bufs, b3_bufs, as_bufs,
                   bs_bufs, ready, empty, num_tiles, NR, F, K, SA_R, SA_K)
     else:
         _consumer(h_ptr, aq_ptr, as_out_ptr, offsets_ptr, table_ptr, a_bufs, b1_bufs, b3_bufs, as_bufs, bs_bufs,
-                  ready, empty, num_tiles, F, K, POW2, 1)
+                  ready, empty, num_tiles, F, K, POW2, MMA_EPILOGUE, 1)
 
 
 @gluon.jit
 def _fp8_gate_up_ws_kernel(a_desc, b1_desc, b3_desc, h_ptr, aq_ptr, as_out_ptr, as_ptr, w1s_ptr, w3s_ptr, offsets_ptr,
-                           table_ptr, num_tiles, NR, F, K, SA_R, SA_K, STAGES: gl.constexpr, POW2: gl.constexpr):
+                           table_ptr, num_tiles, NR, F, K, SA_R, SA_K, STAGES: gl.constexpr, POW2: gl.constexpr,
+                           MMA_EPILOGUE: gl.constexpr):
     # One ring with w1's tiles in its B slots and room for the two block scales; w3's tiles beside it.
     a_bufs, b1_bufs, as_bufs, bs_bufs, ready, empty = allocate_ring(a_desc, b1_desc, STAGES, 4)
     b3_bufs = gl.allocate_shared_memory(b1_desc.dtype, [STAGES] + b1_desc.block_type.shape, b1_desc.layout)
     gl.warp_specialize([
         (_consumer, (h_ptr, aq_ptr, as_out_ptr, offsets_ptr, table_ptr, a_bufs, b1_bufs, b3_bufs, as_bufs, bs_bufs,
-                     ready, empty, num_tiles, F, K, POW2, 0)),
+                     ready, empty, num_tiles, F, K, POW2, MMA_EPILOGUE, 0)),
         (_worker, (a_desc, b1_desc, b3_desc, h_ptr, aq_ptr, as_out_ptr, as_ptr, w1s_ptr, w3s_ptr, offsets_ptr,
                    table_ptr, a_bufs, b1_bufs, b3_bufs, as_bufs, bs_bufs, ready, empty, num_tiles, NR, F, K, SA_R,
-                   SA_K, POW2, 0)),
+                   SA_K, POW2, MMA_EPILOGUE, 0)),
         (_worker, (a_desc, b1_desc, b3_desc, h_ptr, aq_ptr, as_out_ptr, as_ptr, w1s_ptr, w3s_ptr, offsets_ptr,
                    table_ptr, a_bufs, b1_bufs, b3_bufs, as_bufs, bs_bufs, ready, empty, num_tiles, NR, F, K, SA_R,
-                   SA_K, POW2, 1)),
+                   SA_K, POW2, MMA_EPILOGUE, 1)),
     ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
@@ -183,12 +217,13 @@ def gate_up_supported(D: int, F: int, out_dtype: torch.dtype) -> bool:
 def fp8_gate_up_swiglu_ws(a_q: torch.Tensor, a_s: torch.Tensor, w1_q: torch.Tensor, w1_s: torch.Tensor,
                           w3_q: torch.Tensor, w3_s: torch.Tensor, offsets_E1: torch.Tensor,
                           out_dtype: torch.dtype = torch.bfloat16, tiles: torch.Tensor | None = None,
-                          pow2_scales: bool = False, *, stages: int = STAGES):
+                          pow2_scales: bool = False, *, stages: int = STAGES, mma_epilogue: bool = True):
     """Gate/up with the SwiGLU and A-quantization epilogue (sm_90 GPU) over expert-sorted e4m3 rows
     ``a_q`` (Nr, D) with 1 x 128 scales ``a_s`` (Nr, ceil(D/128)); w1_q, w3_q (E, F, D) e4m3 with
     128 x 128 block scales (E, F/128, ceil(D/128)). ``tiles``: ``tile_table(offsets_E1, Nr, 128)``
     (built when None). Returns (H (Nr, 2F), (A_q (Nr, F) e4m3, A_s (Nr, F/128) fp32)), as
-    :func:`kernels.fp8.grouped_gemm.fp8_gate_up_swiglu`; rows from offsets_E1[E] on are not written."""
+    :func:`kernels.fp8.grouped_gemm.fp8_gate_up_swiglu`; rows from offsets_E1[E] on are not written.
+    ``mma_epilogue`` False runs :func:`_epilogue_in_store_layout` (same results), for the benchmark."""
     _check_fp8(a_q, 2, "a_q")
     _check_fp8(w1_q, 3, "w1_q")
     _check_fp8(w3_q, 3, "w3_q")
@@ -224,6 +259,6 @@ def fp8_gate_up_swiglu_ws(a_q: torch.Tensor, a_s: torch.Tensor, w1_q: torch.Tens
     sms = torch.cuda.get_device_properties(a_q.device).multi_processor_count
     programs = min(sms, n_tiles * (F // TILE))
     _fp8_gate_up_ws_kernel[(programs, )](a_desc, b1_desc, b3_desc, h, aq, a_scales, a_s, w1_s, w3_s, offsets_E1, tiles,
-                                         n_tiles, Nr, F, D, *a_s.stride(), stages, pow2_scales, num_warps=4,
-                                         maxnreg=MAXNREG)
+                                         n_tiles, Nr, F, D, *a_s.stride(), stages, pow2_scales, mma_epilogue,
+                                         num_warps=4, maxnreg=MAXNREG)
     return h, (aq, a_scales)
