@@ -79,14 +79,15 @@ def _compile_grouped(out_dtype: torch.dtype, scatter: bool, weighted: bool):
                           "LDO"))
 
 
-def _compile_gate_up(pow2: bool, mma_epilogue: bool = True):
+def _compile_gate_up(mma_epilogue: bool = True):
     NR, F, D, E = 4096, 1536, 4096, 8
     desc = lambda rows: H._descriptor(torch.empty(rows, D, dtype=FP8), [128, 128], gl.float8e4nv)  # noqa: E731
     args = dict(a_desc=desc(NR), b1_desc=desc(E * F), b3_desc=desc(E * F), h_ptr=torch.empty(8, dtype=torch.bfloat16),
                 aq_ptr=torch.empty(8, dtype=FP8), as_out_ptr=torch.empty(8), as_ptr=torch.empty(8), w1s_ptr=torch.empty(8),
                 w3s_ptr=torch.empty(8), offsets_ptr=torch.empty(8, dtype=torch.int32),
                 table_ptr=torch.empty(8, dtype=torch.int32), num_tiles=40, NR=NR, F=F, K=D, SA_R=32, SA_K=1)
-    return _compile_sm90(GU._fp8_gate_up_ws_kernel, args, dict(STAGES=GU.STAGES, POW2=pow2, MMA_EPILOGUE=mma_epilogue,
+    # Power-of-two scales (POW2) change three integer ops of the epilogue: compiled at the op's setting.
+    return _compile_sm90(GU._fp8_gate_up_ws_kernel, args, dict(STAGES=GU.STAGES, POW2=False, MMA_EPILOGUE=mma_epilogue,
                                                                SA_K=1),
                          ("h_ptr", "aq_ptr", "as_out_ptr", "as_ptr", "w1s_ptr", "w3s_ptr", "offsets_ptr", "table_ptr",
                           "F", "K", "SA_R"))
@@ -99,8 +100,8 @@ _COMPILE = {"gemm_st4": lambda: _compile_gemm(4, True), "gemm_st5": lambda: _com
             "grouped_down": lambda: _compile_grouped(torch.bfloat16, True, True),
             "grouped_dx": lambda: _compile_grouped(torch.bfloat16, True, False),
             "grouped_da": lambda: _compile_grouped(torch.float32, False, False),
-            "gate_up_pow2": lambda: _compile_gate_up(True), "gate_up": lambda: _compile_gate_up(False),
-            "gate_up_store_epilogue": lambda: _compile_gate_up(False, mma_epilogue=False)}
+            "gate_up": lambda: _compile_gate_up(),
+            "gate_up_store_epilogue": lambda: _compile_gate_up(mma_epilogue=False)}
 
 
 def _compile_all(folder: str) -> None:
@@ -120,7 +121,7 @@ def _compile_all(folder: str) -> None:
 # The gate/up epilogue's IEEE division (A / its row scale, bit-exact with the references) keeps one
 # register in local memory around its slow path: a store and two loads per consumer warpgroup, per
 # tile (four with the epilogue in the store layout).
-EPILOGUE_SPILLS = {"gate_up": 6, "gate_up_pow2": 6, "gate_up_store_epilogue": 8}
+EPILOGUE_SPILLS = {"gate_up": 6, "gate_up_store_epilogue": 8}
 
 
 def _local_memory_in_loops(sass: str) -> list[str]:

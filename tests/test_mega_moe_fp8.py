@@ -428,7 +428,7 @@ def _gluon_twins(monkeypatch) -> dict:
     return calls
 
 
-@pytest.mark.parametrize("T,K,E,kind", [(40, 1, 4, "empty_slots"), (21, 2, 4, "empty_expert"), (19, 1, 3, "one_expert")])
+@pytest.mark.parametrize("T,K,E,kind", [(40, 1, 4, "empty_slots"), (21, 2, 4, "empty_expert")])
 def test_gluon_data_path_equals_the_triton_engine(T, K, E, kind, monkeypatch):
     """The Gluon engine's operand layout, checked without a GPU: with each Gluon kernel replaced by
     its Triton twin, the op's outputs and gradients equal the Triton engine's bit for bit. One slot
