@@ -461,7 +461,8 @@ def _check_consistency(cfg: JobConfig, sources: dict[tuple[str, str], str]) -> N
     if ac.keep_layers and ac.keep == "none":
         raise ConfigError(f"{_where(sources, ('activation_checkpoint', 'keep_layers'), ('activation_checkpoint', 'keep'))}: "
                           f"[activation_checkpoint] keep_layers = {ac.keep_layers} limits the blocks that keep ops, "
-                          f"but keep = \"none\" keeps none; set keep (e.g. \"attention\"), or keep_layers = 0")
+                          f"but keep = \"none\" keeps none; set keep (e.g. \"attention\"), or keep_layers = 0 "
+                          "(--activation_checkpoint.keep_layers 0)")
     n = cfg.parallelism.simulate_world_size
     if n:
         where = _where(sources, ("parallelism", "simulate_world_size"))
