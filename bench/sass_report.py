@@ -3,6 +3,7 @@ compiled for sm_90 here (Triton ships ptxas and cuobjdump) and its SASS read bac
 
     python -m bench.sass_report                        # every kernel below, one line each
     python -m bench.sass_report --only quantizers --json out.json --cubins DIR
+    python -m bench.sass_report --only gluon           # the warp-specialized Gluon FP8 GEMMs
 
 Per kernel: registers per thread, spill stack (bytes per thread) and local loads/stores in the SASS,
 shared memory, the K loop's pipeline depth (buffers of its async copies), the tensor-core
@@ -39,6 +40,10 @@ class Build:
     consts: dict
     num_warps: int
     num_stages: int = 3
+    # Gluon kernels: the arguments specialized as multiples of 16 (named, not inferred) and the
+    # register cap the launch passes.
+    gluon_divisible: tuple[str, ...] | None = None
+    maxnreg: int | None = None
 
 
 def compile_for_sm90(fn, args: dict, consts: dict, divisible=None, source=ASTSource, **options):
@@ -56,7 +61,13 @@ def compile_for_sm90(fn, args: dict, consts: dict, divisible=None, source=ASTSou
 
 
 def compile_sm90(b: Build):
-    """The compiled kernel of ``b`` for sm_90, specialized as the JIT specializes aligned arguments."""
+    """The compiled kernel of ``b`` for sm_90, specialized as the JIT specializes aligned arguments
+    (a Gluon kernel: as its ``gluon_divisible`` names)."""
+    if b.gluon_divisible is not None:
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        return compile_for_sm90(b.fn, b.args, b.consts, b.gluon_divisible, source=GluonASTSource,
+                                num_warps=b.num_warps, maxnreg=b.maxnreg)
     return compile_for_sm90(b.fn, b.args, b.consts, num_warps=b.num_warps, num_stages=b.num_stages)
 
 
@@ -148,7 +159,72 @@ def gemms() -> dict[str, Build]:
     }
 
 
-FAMILIES = {"quantizers": quantizers, "gemms": gemms}
+def gluon() -> dict[str, Build]:
+    """The warp-specialized Gluon FP8 GEMMs (``kernels/fp8/hopper_*.py``) at their launch settings;
+    host tensors stand in for the TMA descriptors' bases."""
+    from triton.experimental.gluon import language as gl
+
+    from kernels.fp8 import hopper_gate_up as GU
+    from kernels.fp8 import hopper_gemm as H
+    from kernels.fp8 import hopper_grouped as G
+    from kernels.fp8 import hopper_wgrad as W
+
+    fp8, i32 = torch.float8_e4m3fn, torch.int32
+
+    def descs(rows_a: int, rows_b: int, K: int, out_dtype: torch.dtype) -> dict:
+        gl_out = gl.bfloat16 if out_dtype == torch.bfloat16 else gl.float32
+        return dict(a_desc=H._descriptor(torch.empty(rows_a, K, dtype=fp8), [128, 128], gl.float8e4nv),
+                    b_desc=H._descriptor(torch.empty(rows_b, K, dtype=fp8), [128, 128], gl.float8e4nv),
+                    c_desc=H._descriptor(torch.empty(rows_a, rows_b, dtype=out_dtype), [64, 128], gl_out))
+
+    def build(fn, args, consts, divisible):
+        return Build(fn, args, consts, 4, gluon_divisible=divisible, maxnreg=H.MAXNREG)
+
+    def gemm(stages: int, scaled: bool):
+        M = N = K = 1024
+        args = dict(descs(M, N, K, torch.bfloat16), as_ptr=torch.empty(8, M), bs_ptr=torch.empty(8, 8), M=M, N=N, K=K)
+        return build(H._fp8_gemm_kernel, args, dict(STAGES=stages, GROUP_M=8, SCALED=scaled),
+                     ("as_ptr", "bs_ptr", "M", "N", "K"))
+
+    def wgrad(stages: int, out_dtype: torch.dtype):
+        M = NCOL = LD = 1024
+        # Scales tile-major as quantize_cols_grouped stores them: unit stride along the rows.
+        args = dict(descs(M, NCOL, LD, out_dtype), as_ptr=torch.empty(M, 8), bs_ptr=torch.empty(NCOL, 8),
+                    tile_offs_ptr=torch.empty(9, dtype=i32), E=8, M=M, NCOL=NCOL, SA_R=1, SA_T=M, SB_R=1, SB_T=NCOL)
+        return build(W._fp8_wgrad_kernel, args, dict(STAGES=stages, GROUP_M=8, SA_R=1, SB_R=1),
+                     ("as_ptr", "bs_ptr", "tile_offs_ptr", "M", "NCOL", "SA_T", "SB_T"))
+
+    def grouped(out_dtype: torch.dtype, scatter: bool, weighted: bool):
+        NR, N, K = 4096, 2048, 768
+        d = descs(NR, N, K, out_dtype)
+        args = dict(a_desc=d["a_desc"], b_desc=d["b_desc"], out_ptr=torch.empty(NR, N, dtype=out_dtype),
+                    as_ptr=torch.empty(NR, 6), bs_ptr=torch.empty(8, 16, 6), slot_ptr=torch.empty(NR, dtype=i32),
+                    w_ptr=torch.empty(NR), offsets_ptr=torch.empty(9, dtype=i32), table_ptr=torch.empty(81, dtype=i32),
+                    num_tiles=40, NR=NR, N=N, K=K, LDO=N, SA_R=6, SA_K=1)
+        return build(G._fp8_grouped_kernel, args, dict(STAGES=4, SCATTER=scatter, WEIGHTED=weighted, SA_K=1),
+                     ("as_ptr", "bs_ptr", "slot_ptr", "w_ptr", "offsets_ptr", "table_ptr", "out_ptr", "N", "K", "LDO"))
+
+    def gate_up(mma_epilogue: bool):
+        NR, F, D, E = 4096, 1536, 4096, 8
+        desc = lambda rows: H._descriptor(torch.empty(rows, D, dtype=fp8), [128, 128], gl.float8e4nv)  # noqa: E731
+        args = dict(a_desc=desc(NR), b1_desc=desc(E * F), b3_desc=desc(E * F), h_ptr=torch.empty(8, dtype=torch.bfloat16),
+                    aq_ptr=torch.empty(8, dtype=fp8), as_out_ptr=torch.empty(8), as_ptr=torch.empty(8),
+                    w1s_ptr=torch.empty(8), w3s_ptr=torch.empty(8), offsets_ptr=torch.empty(8, dtype=i32),
+                    table_ptr=torch.empty(8, dtype=i32), num_tiles=40, NR=NR, F=F, K=D, SA_R=32, SA_K=1)
+        # Power-of-two scales (POW2) change three integer ops of the epilogue: built at the op's setting.
+        return build(GU._fp8_gate_up_ws_kernel, args, dict(STAGES=GU.STAGES, POW2=False, MMA_EPILOGUE=mma_epilogue,
+                                                           SA_K=1),
+                     ("h_ptr", "aq_ptr", "as_out_ptr", "as_ptr", "w1s_ptr", "w3s_ptr", "offsets_ptr", "table_ptr", "F",
+                      "K", "SA_R"))
+
+    return {"gemm_st4": gemm(4, True), "gemm_st5": gemm(5, True), "gemm_st4_unscaled": gemm(4, False),
+            "wgrad_st4_fp32": wgrad(4, torch.float32), "wgrad_st4_bf16": wgrad(4, torch.bfloat16),
+            "grouped_down": grouped(torch.bfloat16, True, True), "grouped_dx": grouped(torch.bfloat16, True, False),
+            "grouped_da": grouped(torch.float32, False, False), "gate_up": gate_up(True),
+            "gate_up_store_epilogue": gate_up(False)}
+
+
+FAMILIES = {"quantizers": quantizers, "gemms": gemms, "gluon": gluon}
 
 
 def report(families=tuple(FAMILIES), cubins: str | None = None) -> dict[str, dict]:

@@ -1,9 +1,9 @@
-"""The warp-specialized Gluon FP8 GEMMs (kernels/fp8/hopper_gemm.py, hopper_wgrad.py, hopper_grouped.py)
-and the engine choice.
+"""The warp-specialized Gluon FP8 GEMMs (kernels/fp8/hopper_gemm.py, hopper_wgrad.py, hopper_grouped.py,
+hopper_gate_up.py) and the engine choice.
 
-- Everywhere (CPU included): the kernel compiles for sm_90a with Triton's own ptxas, its SASS uses
-  the FP8 warpgroup MMA (QGMMA) and spills nothing to local memory. Gluon kernels have no CPU
-  interpreter, so this is what CI can check.
+- Everywhere (CPU included): each kernel (as ``bench.sass_report --only gluon`` builds it) compiles
+  for sm_90a with Triton's own ptxas, its SASS uses the FP8 warpgroup MMA (QGMMA) and keeps nothing
+  in local memory inside a K loop. Gluon kernels have no CPU interpreter, so this is what CI can check.
 - On a Hopper GPU: the product against a float64 reference on fresh random inputs at awkward shapes
   (rows and columns not multiples of the 128 tile, K not a multiple of 128, one K block, rows with
   100x larger scales), fp8-level agreement with the unquantized product, and the no-scale probe.
@@ -18,11 +18,9 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
-from triton.experimental.gluon import language as gl  # noqa: E402
-from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from bench.hopper_gemm import make_grouped_inputs, make_inputs, make_wgrad_inputs  # noqa: E402
-from bench.sass_report import compile_for_sm90  # noqa: E402
+from bench import sass_report  # noqa: E402
 from kernels.fp8 import hopper_gemm as H  # noqa: E402
 from kernels.fp8 import hopper_gate_up as GU  # noqa: E402
 from kernels.fp8 import hopper_grouped as G  # noqa: E402
@@ -31,84 +29,21 @@ from kernels.fp8.engine import resolve_engine  # noqa: E402
 from kernels.fp8.grouped_gemm import fp8_grouped_gemm, fp8_grouped_gemm_ref, fp8_wgrad, fp8_wgrad_ref  # noqa: E402
 from tests.utils import random_seed  # noqa: E402
 
-FP8 = torch.float8_e4m3fn
 IS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-
-
-def _compile_sm90(fn, args: dict, consts: dict, divisible: tuple[str, ...]):
-    """Compile a Gluon kernel for sm_90a without a GPU (host tensors stand in for the descriptors'
-    bases); ``divisible`` names the arguments specialized as multiples of 16."""
-    return compile_for_sm90(fn, args, consts, divisible, source=GluonASTSource, num_warps=4, maxnreg=H.MAXNREG)
-
-
-def _fp8_descriptors(rows_a: int, rows_b: int, K: int, out_dtype: torch.dtype) -> dict:
-    gl_out = gl.bfloat16 if out_dtype == torch.bfloat16 else gl.float32
-    return dict(a_desc=H._descriptor(torch.empty(rows_a, K, dtype=FP8), [128, 128], gl.float8e4nv),
-                b_desc=H._descriptor(torch.empty(rows_b, K, dtype=FP8), [128, 128], gl.float8e4nv),
-                c_desc=H._descriptor(torch.empty(rows_a, rows_b, dtype=out_dtype), [64, 128], gl_out))
-
-
-def _compile_gemm(stages: int, scaled: bool):
-    M = N = K = 1024
-    args = dict(_fp8_descriptors(M, N, K, torch.bfloat16), as_ptr=torch.empty(8, M), bs_ptr=torch.empty(8, 8), M=M,
-                N=N, K=K)
-    return _compile_sm90(H._fp8_gemm_kernel, args, dict(STAGES=stages, GROUP_M=8, SCALED=scaled),
-                         ("as_ptr", "bs_ptr", "M", "N", "K"))
-
-
-def _compile_wgrad(stages: int, out_dtype: torch.dtype):
-    M = NCOL = LD = 1024
-    # Scales tile-major as quantize_cols_grouped stores them: unit stride along the rows.
-    args = dict(_fp8_descriptors(M, NCOL, LD, out_dtype), as_ptr=torch.empty(M, 8), bs_ptr=torch.empty(NCOL, 8),
-                tile_offs_ptr=torch.empty(9, dtype=torch.int32), E=8, M=M, NCOL=NCOL, SA_R=1, SA_T=M, SB_R=1,
-                SB_T=NCOL)
-    return _compile_sm90(W._fp8_wgrad_kernel, args, dict(STAGES=stages, GROUP_M=8, SA_R=1, SB_R=1),
-                         ("as_ptr", "bs_ptr", "tile_offs_ptr", "M", "NCOL", "SA_T", "SB_T"))
-
-
-def _compile_grouped(out_dtype: torch.dtype, scatter: bool, weighted: bool):
-    NR, N, K = 4096, 2048, 768
-    descs = _fp8_descriptors(NR, N, K, out_dtype)
-    args = dict(a_desc=descs["a_desc"], b_desc=descs["b_desc"], out_ptr=torch.empty(NR, N, dtype=out_dtype),
-                as_ptr=torch.empty(NR, 6), bs_ptr=torch.empty(8, 16, 6), slot_ptr=torch.empty(NR, dtype=torch.int32),
-                w_ptr=torch.empty(NR), offsets_ptr=torch.empty(9, dtype=torch.int32),
-                table_ptr=torch.empty(81, dtype=torch.int32), num_tiles=40, NR=NR, N=N, K=K, LDO=N, SA_R=6, SA_K=1)
-    return _compile_sm90(G._fp8_grouped_kernel, args, dict(STAGES=4, SCATTER=scatter, WEIGHTED=weighted, SA_K=1),
-                         ("as_ptr", "bs_ptr", "slot_ptr", "w_ptr", "offsets_ptr", "table_ptr", "out_ptr", "N", "K",
-                          "LDO"))
-
-
-def _compile_gate_up(mma_epilogue: bool = True):
-    NR, F, D, E = 4096, 1536, 4096, 8
-    desc = lambda rows: H._descriptor(torch.empty(rows, D, dtype=FP8), [128, 128], gl.float8e4nv)  # noqa: E731
-    args = dict(a_desc=desc(NR), b1_desc=desc(E * F), b3_desc=desc(E * F), h_ptr=torch.empty(8, dtype=torch.bfloat16),
-                aq_ptr=torch.empty(8, dtype=FP8), as_out_ptr=torch.empty(8), as_ptr=torch.empty(8), w1s_ptr=torch.empty(8),
-                w3s_ptr=torch.empty(8), offsets_ptr=torch.empty(8, dtype=torch.int32),
-                table_ptr=torch.empty(8, dtype=torch.int32), num_tiles=40, NR=NR, F=F, K=D, SA_R=32, SA_K=1)
-    # Power-of-two scales (POW2) change three integer ops of the epilogue: compiled at the op's setting.
-    return _compile_sm90(GU._fp8_gate_up_ws_kernel, args, dict(STAGES=GU.STAGES, POW2=False, MMA_EPILOGUE=mma_epilogue,
-                                                               SA_K=1),
-                         ("h_ptr", "aq_ptr", "as_out_ptr", "as_ptr", "w1s_ptr", "w3s_ptr", "offsets_ptr", "table_ptr",
-                          "F", "K", "SA_R"))
-
-
-_COMPILE = {"gemm_st4": lambda: _compile_gemm(4, True), "gemm_st5": lambda: _compile_gemm(5, True),
-            "gemm_st4_unscaled": lambda: _compile_gemm(4, False),
-            "wgrad_st4_fp32": lambda: _compile_wgrad(4, torch.float32),
-            "wgrad_st4_bf16": lambda: _compile_wgrad(4, torch.bfloat16),
-            "grouped_down": lambda: _compile_grouped(torch.bfloat16, True, True),
-            "grouped_dx": lambda: _compile_grouped(torch.bfloat16, True, False),
-            "grouped_da": lambda: _compile_grouped(torch.float32, False, False),
-            "gate_up": lambda: _compile_gate_up(),
-            "gate_up_store_epilogue": lambda: _compile_gate_up(mma_epilogue=False)}
+# The names of bench.sass_report.gluon()'s kernels (built there without being compiled).
+GLUON_KERNELS = ["gemm_st4", "gemm_st5", "gemm_st4_unscaled", "wgrad_st4_fp32", "wgrad_st4_bf16", "grouped_down",
+                 "grouped_dx", "grouped_da", "gate_up", "gate_up_store_epilogue"]
 
 
 def _compile_all(folder: str) -> None:
-    """Compile every kernel of ``_COMPILE`` and write its cubin, PTX and shared-memory size into
-    ``folder/<name>/``."""
-    for name, build in _COMPILE.items():
-        kernel = build()
+    """Compile every kernel of ``bench.sass_report.gluon()`` and write its cubin, PTX and
+    shared-memory size into ``folder/<name>/``."""
+    builds = sass_report.gluon()
+    with open(os.path.join(folder, "names"), "w") as f:
+        f.write(" ".join(builds))
+    for name, build in builds.items():
+        kernel = sass_report.compile_sm90(build)
         os.makedirs(os.path.join(folder, name))
         with open(os.path.join(folder, name, "k.cubin"), "wb") as f:
             f.write(kernel.asm["cubin"])
@@ -153,8 +88,12 @@ def compiled(tmp_path_factory):
     return folder
 
 
+def test_every_gluon_kernel_is_checked(compiled):
+    assert (compiled / "names").read_text().split() == GLUON_KERNELS
+
+
 @pytest.mark.skipif(not os.path.exists(os.path.join(BIN, "cuobjdump")), reason="triton ships no cuobjdump here")
-@pytest.mark.parametrize("kernel", list(_COMPILE))
+@pytest.mark.parametrize("kernel", GLUON_KERNELS)
 def test_compiles_for_sm90_without_loop_spills(compiled, kernel):
     folder = compiled / kernel
     sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", str(folder / "k.cubin")], capture_output=True,
