@@ -27,39 +27,14 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 from kernels.fp8.blockwise import TILE
 from kernels.fp8.grouped_gemm import _check_fp8, _check_scales
-from kernels.fp8.hopper_gemm import (BLOCK_K, CONSUMER_REGS, MAXNREG, PRODUCER_REGS, _descriptor, allocate_ring,
-                                     load_stage)
-from kernels.fp8.hopper_grouped import _tile_of
+from kernels.fp8.hopper_gemm import BLOCK_K, CONSUMER_REGS, MAXNREG, PRODUCER_REGS, _descriptor, allocate_ring
+from kernels.fp8.hopper_grouped import _grouped_producer, _tile_of
 from kernels.moe.routing import max_tiles, tile_table
 
 BLOCK_M = 128  # rows per tile: the tile table must be built for it
 STAGES = 4  # 48 KiB of tiles a stage (A, w1, w3)
 E4M3_MAX = gl.constexpr(448.0)
 AMAX_EPS = gl.constexpr(1e-12)
-
-
-@gluon.jit
-def _producer(a_desc, b1_desc, b3_desc, as_ptr, w1s_ptr, w3s_ptr, table_ptr, a_bufs, b1_bufs, b3_bufs, as_bufs,
-              bs_bufs, ready, empty, num_tiles, NR, F, K, SA_R, SA_K):
-    TM: gl.constexpr = a_desc.block_type.shape[0]
-    TN: gl.constexpr = b1_desc.block_type.shape[0]
-    vec: gl.constexpr = gl.BlockedLayout([TM // 32], [32], [1], [0])
-    num_n = (F + TN - 1) // TN
-    kb_count = (K + BLOCK_K - 1) // BLOCK_K
-    real = gl.load(table_ptr + 2 * num_tiles)
-    offs = gl.arange(0, TM, vec)
-    lane = gl.arange(0, 4, gl.BlockedLayout([1], [32], [1], [0]))
-    it = 0
-    for tile in range(gl.program_id(0), real * num_n, gl.num_programs(0)):
-        expert, row0, pid_n = _tile_of(tile, num_n, num_tiles, table_ptr)
-        rows = row0 + offs
-        for kb in range(kb_count):
-            scale = (expert * num_n + pid_n) * kb_count + kb
-            # Lane 0 copies w1's block scale, lane 1 w3's.
-            load_stage(a_desc, b1_desc, a_bufs, b1_bufs, as_bufs, bs_bufs, ready, empty, it, row0,
-                       expert * F + pid_n * TN, kb * BLOCK_K, as_ptr + rows * SA_R + kb * SA_K, rows < NR,
-                       gl.where(lane == 0, w1s_ptr + scale, w3s_ptr + scale), lane < 2, b3_desc, b3_bufs)
-            it += 1
 
 
 @gluon.jit
@@ -182,8 +157,8 @@ def _worker(a_desc, b1_desc, b3_desc, h_ptr, aq_ptr, as_out_ptr, as_ptr, w1s_ptr
             POW2: gl.constexpr, MMA_EPILOGUE: gl.constexpr, ROLE: gl.constexpr):
     # Worker partitions share one signature: ROLE 0 loads, ROLE 1 is the second consumer warpgroup.
     if ROLE == 0:
-        _producer(a_desc, b1_desc, b3_desc, as_ptr, w1s_ptr, w3s_ptr, table_ptr, a_bufs, b1_bufs, b3_bufs, as_bufs,
-                  bs_bufs, ready, empty, num_tiles, NR, F, K, SA_R, SA_K)
+        _grouped_producer(a_desc, b1_desc, as_ptr, w1s_ptr, table_ptr, a_bufs, b1_bufs, as_bufs, bs_bufs, ready, empty,
+                          num_tiles, NR, F, K, SA_R, SA_K, b3_desc, w3s_ptr, b3_bufs)
     else:
         _consumer(h_ptr, aq_ptr, as_out_ptr, offsets_ptr, table_ptr, a_bufs, b1_bufs, b3_bufs, as_bufs, bs_bufs,
                   ready, empty, num_tiles, F, K, POW2, MMA_EPILOGUE, 1)

@@ -46,9 +46,11 @@ def _tile_of(tile, num_n, num_tiles, table_ptr):
 
 @gluon.jit
 def _grouped_producer(a_desc, b_desc, as_ptr, bs_ptr, table_ptr, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty,
-                      num_tiles, NR, N, K, SA_R, SA_K):
+                      num_tiles, NR, N, K, SA_R, SA_K, b2_desc=None, b2s_ptr=None, b2_bufs=None):
     """Streams each K block of every (M tile, N tile) of this program: A and B tiles by TMA, the
-    tile's 128 row scales (strided rows of a_s) and its expert's one block scale by cp.async."""
+    tile's 128 row scales (strided rows of a_s) and its expert's one block scale by cp.async. With
+    ``b2_desc``, also a second B operand of the same shape (gate/up's w3) and its block scale (lane 1
+    of the scale copy; ``bs_bufs`` holds two scales a stage then)."""
     TM: gl.constexpr = a_desc.block_type.shape[0]
     TN: gl.constexpr = b_desc.block_type.shape[0]
     vec: gl.constexpr = gl.BlockedLayout([TM // 32], [32], [1], [0])
@@ -62,9 +64,14 @@ def _grouped_producer(a_desc, b_desc, as_ptr, bs_ptr, table_ptr, a_bufs, b_bufs,
         expert, row0, pid_n = _tile_of(tile, num_n, num_tiles, table_ptr)
         rows = row0 + offs
         for kb in range(kb_count):
+            if b2_desc is None:
+                bs_src, bs_mask = bs_ptr + (expert * num_n + pid_n) * kb_count + kb + lane, lane == 0
+            else:
+                scale = (expert * num_n + pid_n) * kb_count + kb
+                bs_src, bs_mask = gl.where(lane == 0, bs_ptr + scale, b2s_ptr + scale), lane < 2
             load_stage(a_desc, b_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, it, row0,
                        expert * N + pid_n * TN, kb * BLOCK_K, as_ptr + rows * SA_R + kb * SA_K, rows < NR,
-                       bs_ptr + (expert * num_n + pid_n) * kb_count + kb + lane, lane == 0)
+                       bs_src, bs_mask, b2_desc, b2_bufs)
             it += 1
 
 
