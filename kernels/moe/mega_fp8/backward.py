@@ -41,7 +41,6 @@ from kernels.fp8.blockwise import (
     interpreting,
     quantize_cols_grouped,
     quantize_1x128,
-    quantize_1x128_sorted,
     quantize_tile,
     quantize_weight_into,
     scale_from_amax,
@@ -51,8 +50,8 @@ from kernels.moe.mega.backward import dw13, dw2
 from kernels.moe.combine import combine_slots, valid_slots
 from kernels.triton_utils import cast_out, tile_rows
 from kernels.moe.mega.configs import get_configs
-from kernels.moe.routing import gather_sorted_rows, max_tiles, tile_table
-from kernels.moe.mega_fp8.forward import gemm_blocks, grouped_gemm
+from kernels.moe.routing import max_tiles, tile_table
+from kernels.moe.mega_fp8.forward import expert_order_rows, gemm_blocks, grouped_gemm
 from kernels.moe.mega_fp8.weights import QuantizedExpertWeights
 
 WGRAD_PRECISIONS = ("fp8", "bf16")
@@ -175,20 +174,19 @@ def dh_swiglu(
     store_sa: bool = True,
     pow2_scales: bool = False,
     engine: str = "triton",
-    dy_sorted: bool = False,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor | None]:
     """FP8 dA' = dy_gathered @ w2[e] with the SwiGLU backward and the routing-weight grad as epilogue.
 
     Args:
         dy_q, dy_s: (T, D) e4m3 and (T, ceil(D/128)) fp32, 1 x 128 tiles (``quantize_1x128(dy)``);
-            with ``dy_sorted`` (N, D) and (N, ceil(D/128)), already in expert order
-            (``quantize_1x128_sorted``), for the Gluon engine only.
+            on the Gluon engine (N, D) and (N, ceil(D/128)), in expert order
+            (``forward.expert_order_rows``), as its dA' GEMM loads them by TMA.
         w2t_q, w2t_s: (E, F, D) e4m3 and (E, ceil(F/128), ceil(D/128)) fp32: w2's quantized bytes
             and block scales transposed (``q.mT``, ``s.mT``, contiguous).
         h_N2F: (N, 2F) [gate | up] from the forward; topk_weights_TK: (T, K) fp32.
         sorted_slot_N: (N,) int32, offsets_E1: (E+1,) int32 (``sort_by_expert``).
-        engine: "gluon" or "triton" for the dA' GEMM. Gluon reads A in order (TMA), so dy's rows
-            are first gathered into expert order: ~N x D bytes written and read, which the faster
+        engine: "gluon" or "triton" for the dA' GEMM. Gluon reads A in order (TMA), so the caller
+            puts dy's rows in expert order: up to ~N x D bytes written and read, which the faster
             GEMM repays (BENCHMARKS.md).
     Returns:
         dh_N2F: (N, 2F) [dgate | dup] in h's dtype, expert-sorted rows.
@@ -211,17 +209,9 @@ def dh_swiglu(
     ds_part_PN = torch.empty((FB, N), device=dev, dtype=torch.float32)
     if N == 0:
         return dh_N2F, (dh_q, dh_s), ds_part_PN.sum(0).view(T, K), sa_NF
-    if dy_sorted and engine != "gluon":
-        raise ValueError("dh_swiglu: dy_sorted is for the Gluon engine (the Triton kernel gathers dy's rows itself)")
     if engine == "gluon":
-        # dy's rows in expert order (e4m3 moved as bytes); rows past the experts' are never read.
-        if dy_sorted:
-            dyg_q, dyg_s = dy_q, dy_s
-        else:
-            dyg_q = gather_sorted_rows(dy_q.view(torch.uint8), sorted_slot_N, offsets_E1, K).view(FP8)
-            dyg_s = gather_sorted_rows(dy_s, sorted_slot_N, offsets_E1, K)
-        da_NF = grouped_gemm(dyg_q, dyg_s, w2t_q, w2t_s, offsets_E1, torch.float32, engine)
-        del dyg_q, dyg_s
+        # dy's rows already in expert order; rows past the experts' are never read.
+        da_NF = grouped_gemm(dy_q, dy_s, w2t_q, w2t_s, offsets_E1, torch.float32, engine)
     else:
         gbm, _ = gemm_blocks()
         da_NF = fp8_grouped_gemm(dy_q, dy_s, w2t_q, w2t_s, offsets_E1, sorted_slot_N, K, out_dtype=torch.float32,
@@ -329,11 +319,9 @@ def moe_fp8_backward(
     # Empty slots' rows lie past every expert's tiles: skipped in the sum, zeroed in ds, and dy rows
     # of tokens with no valid slot (expert parallelism's empty rows) are never gathered.
     valid_N = valid_slots(sorted_slot_N, offsets_E1)
-    # The Gluon dA' GEMM reads dy's rows in expert order: with one slot per row (expert parallelism's
-    # receive buffer) they are quantized straight there, as the forward's x (forward.gate_up).
-    dy_sorted = engine == "gluon" and K == 1
-    if dy_sorted:
-        dy_q, dy_s = quantize_1x128_sorted(dy_TD, sorted_slot_N, offsets_E1, 1, pow2_scales)
+    # The Gluon dA' GEMM reads dy's rows in expert order, as the forward's gate/up reads x's.
+    if engine == "gluon":
+        dy_q, dy_s = expert_order_rows(dy_TD, valid_N.view(T, K), sorted_slot_N, offsets_E1, pow2_scales)
     else:
         dy_q, dy_s = quantize_1x128(dy_TD, pow2_scales, valid_N.view(T, K))
     if quantized is None:
@@ -343,7 +331,7 @@ def moe_fp8_backward(
     tiles128 = tile_table(offsets_E1, N, TILE)
     dh_N2F, (dh_q, dh_s), ds_TK, sa_NF = dh_swiglu(
         dy_q, dy_s, w2t_q, w2t_s, h_N2F, topk_weights_TK, sorted_slot_N, offsets_E1,
-        store_sa=True, pow2_scales=pow2_scales, engine=engine, dy_sorted=dy_sorted,
+        store_sa=True, pow2_scales=pow2_scales, engine=engine,
     )  # fmt: skip
     del dy_q, dy_s, w2t_q, w2t_s
 

@@ -12,8 +12,8 @@ every GEMM operand in block-scaled e4m3, composed from the building blocks of ``
 
 On the Gluon engine (Hopper) gate/up and down run the warp-specialized kernels
 (``kernels/fp8/hopper_gate_up.py``, ``hopper_grouped.py``), which load A by TMA: x's e4m3 rows and
-scales are put in expert order first (:func:`gate_up`), the same bytes the Triton kernel gathers
-itself.
+scales are put in expert order first (:func:`expert_order_rows`), the same bytes the Triton kernel
+gathers itself.
 
 The weights are quantized on every call, here and again in the backward (which also makes the
 transposed copies dgrad reads), unless the caller passes ``quantized``: the copies made once per
@@ -78,32 +78,37 @@ def gate_up_block_m() -> int:
     return 16 if interpreting() else 128
 
 
+def expert_order_rows(x_TD: torch.Tensor, valid_TK: torch.Tensor, sorted_slot_N: torch.Tensor,
+                      offsets_E1: torch.Tensor, pow2_scales: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's 1 x 128 quantization with its rows in expert order, the A operand of the Gluon GEMMs
+    (they load it by TMA): row r is token row ``sorted_slot_N[r] // K`` for r < offsets_E1[E], the
+    later rows undefined. With one slot per row (expert parallelism's receive buffer) the quantizer
+    writes the rows there directly (``quantize_1x128_sorted``: 3 bytes an element moved); with
+    top-k > 1 x is quantized once (tokens with no slot in ``valid_TK`` skipped) and its e4m3 rows
+    gathered (each token row would otherwise be read k times)."""
+    K = valid_TK.shape[1]
+    if K == 1:
+        return quantize_1x128_sorted(x_TD, sorted_slot_N, offsets_E1, 1, pow2_scales)
+    x_q, x_s = quantize_1x128(x_TD, pow2_scales, valid_TK)
+    return (gather_sorted_rows(x_q.view(torch.uint8), sorted_slot_N, offsets_E1, K).view(x_q.dtype),
+            gather_sorted_rows(x_s, sorted_slot_N, offsets_E1, K))
+
+
 def gate_up(x_TD, topk_ids_TK, w1_q, w1_s, w3_q, w3_s, sorted_slot_N, offsets_E1, pow2_scales, engine, tiles):
     """(H_N2F, A_q, A_s) of the gate/up GEMM with its SwiGLU + quantization epilogue, on ``engine``,
     from x's 1 x 128 quantization (rows of tokens with no routed slot are never read).
-    ``tiles``: the tile table at :func:`gate_up_block_m` rows.
-
-    The Gluon kernel loads A by TMA, so its rows are put in expert order first: with one slot per
-    row (expert parallelism's receive buffer) the quantizer writes them there directly
-    (``quantize_1x128_sorted``: 3 bytes an element moved); with top-k > 1 x is quantized once and
-    its e4m3 rows gathered (each token row would otherwise be read k times). The Triton kernel
-    gathers x's rows itself."""
+    ``tiles``: the tile table at :func:`gate_up_block_m` rows (128 wherever Gluon runs). The Gluon
+    kernel takes x's rows in expert order (:func:`expert_order_rows`); the Triton kernel gathers
+    them itself."""
     K = topk_ids_TK.shape[1]
     D, F = x_TD.shape[1], w1_q.shape[1]
     if engine == "gluon":
         from kernels.fp8.hopper_gate_up import fp8_gate_up_swiglu_ws, gate_up_supported  # Gluon: where it runs
 
         if gate_up_supported(D, F, x_TD.dtype):
-            if K == 1:
-                a_in, s_in = quantize_1x128_sorted(x_TD, sorted_slot_N, offsets_E1, 1, pow2_scales)
-            else:
-                x_q, x_s = quantize_1x128(x_TD, pow2_scales, topk_ids_TK >= 0)
-                a_in = gather_sorted_rows(x_q.view(torch.uint8), sorted_slot_N, offsets_E1, K).view(x_q.dtype)
-                s_in = gather_sorted_rows(x_s, sorted_slot_N, offsets_E1, K)
-                del x_q, x_s
-            # The kernel takes 128-row tiles: ``tiles`` is that table wherever Gluon runs (on the GPU).
+            a_in, s_in = expert_order_rows(x_TD, topk_ids_TK >= 0, sorted_slot_N, offsets_E1, pow2_scales)
             h_N2F, (a_q, a_s) = fp8_gate_up_swiglu_ws(a_in, s_in, w1_q, w1_s, w3_q, w3_s, offsets_E1, x_TD.dtype,
-                                                      tiles if gate_up_block_m() == 128 else None, pow2_scales)
+                                                      tiles, pow2_scales)
             return h_N2F, a_q, a_s
     x_q, x_s = quantize_1x128(x_TD, pow2_scales, topk_ids_TK >= 0)
     h_N2F, _, (a_q, a_s) = fp8_gate_up_swiglu(
