@@ -165,8 +165,8 @@ def time_gate_up(shapes: str, iters: int) -> list[dict]:
     equal: they compute the same sums in the same order."""
     from kernels.fp8 import blockwise as Q
     from kernels.fp8.hopper_gate_up import fp8_gate_up_swiglu_ws
-    from kernels.moe.mega_fp8.forward import gate_up
-    from kernels.moe.routing import gather_sorted_rows, sort_by_expert, tile_table
+    from kernels.moe.mega_fp8.forward import expert_order_rows, gate_up
+    from kernels.moe.routing import sort_by_expert, tile_table
 
     out = []
     for shape in shapes.split(","):
@@ -180,9 +180,7 @@ def time_gate_up(shapes: str, iters: int) -> list[dict]:
             w1q, w1s = Q.quantize_weight((torch.randn(E, F, D, device="cuda") * 0.02).to(torch.bfloat16))
             w3q, w3s = Q.quantize_weight((torch.randn(E, F, D, device="cuda") * 0.02).to(torch.bfloat16))
             tiles = tile_table(offs, T * K, 128)
-            xq, xs = Q.quantize_1x128(x)
-            a_in = gather_sorted_rows(xq.view(torch.uint8), slots, offs, K).view(xq.dtype)
-            s_in = gather_sorted_rows(xs, slots, offs, K)
+            a_in, s_in = expert_order_rows(x, ids >= 0, slots, offs, False)
             fns = {eng: (lambda eng=eng: gate_up(x, ids, w1q, w1s, w3q, w3s, slots, offs, False, eng, tiles))
                    for eng in ("triton", "gluon")}
             fns["gluon_kernel_only"] = lambda: fp8_gate_up_swiglu_ws(a_in, s_in, w1q, w1s, w3q, w3s, offs, tiles=tiles)
@@ -201,7 +199,7 @@ def time_gate_up(shapes: str, iters: int) -> list[dict]:
                 res[name] = flop / time_ms(fn, iters) / 1e9
                 print(f"gate/up {res['shape']} {name}: {res[name]:.0f} TFLOP/s", flush=True)
             out.append(res)
-            del x, xq, a_in, w1q, w3q, got
+            del x, a_in, w1q, w3q, got
             torch.cuda.empty_cache()
     return out
 
