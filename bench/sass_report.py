@@ -46,29 +46,23 @@ class Build:
     maxnreg: int | None = None
 
 
-def compile_for_sm90(fn, args: dict, consts: dict, divisible=None, source=ASTSource, **options):
-    """Compile ``fn`` (a Triton kernel, or a Gluon one with ``source=GluonASTSource``) for sm_90 without
-    a GPU. ``divisible`` names the arguments specialized as multiples of 16; by default, as the JIT
-    specializes aligned arguments: every tensor and every int that is a multiple of 16."""
-    names = list(fn.arg_names)
-    if divisible is None:
-        divisible = [n for n in names if n not in consts and (isinstance(args[n], torch.Tensor)
-                                                               or (isinstance(args[n], int) and args[n] % 16 == 0))]
-    signature = {n: "constexpr" if n in consts else mangle_type(args[n]) for n in names}
-    src = source(fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()},
-                 attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-
-
 def compile_sm90(b: Build):
-    """The compiled kernel of ``b`` for sm_90, specialized as the JIT specializes aligned arguments
-    (a Gluon kernel: as its ``gluon_divisible`` names)."""
+    """The compiled kernel of ``b`` for sm_90 without a GPU: a Triton kernel specialized as the JIT
+    specializes aligned arguments (every tensor and every int that is a multiple of 16 divisible by
+    16), a Gluon one as its ``gluon_divisible`` names."""
+    names = list(b.fn.arg_names)
     if b.gluon_divisible is not None:
         from triton.experimental.gluon._runtime import GluonASTSource
 
-        return compile_for_sm90(b.fn, b.args, b.consts, b.gluon_divisible, source=GluonASTSource,
-                                num_warps=b.num_warps, maxnreg=b.maxnreg)
-    return compile_for_sm90(b.fn, b.args, b.consts, num_warps=b.num_warps, num_stages=b.num_stages)
+        source, divisible, options = GluonASTSource, b.gluon_divisible, {"maxnreg": b.maxnreg}
+    else:
+        source, options = ASTSource, {"num_stages": b.num_stages}
+        divisible = [n for n in names if n not in b.consts and (isinstance(b.args[n], torch.Tensor) or (
+            isinstance(b.args[n], int) and b.args[n] % 16 == 0))]
+    signature = {n: "constexpr" if n in b.consts else mangle_type(b.args[n]) for n in names}
+    src = source(fn=b.fn, signature=signature, constexprs={(names.index(n),): v for n, v in b.consts.items()},
+                 attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": b.num_warps, **options})
 
 
 def _cuobjdump(flag: str, cubin: str) -> str:

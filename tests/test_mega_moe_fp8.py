@@ -437,12 +437,10 @@ def test_gluon_data_path_equals_the_triton_engine(T, K, E, kind, monkeypatch):
     D, F = 160, 128  # sizes every Gluon kernel but dW2's (D rows, not whole 128-row tiles) takes
     calls = _gluon_twins(monkeypatch)
     x, ids, s, w1, w3, w2, dy = _inputs(T, K, E, D, F, kind)
-    sorted_quantizer = []
-    real = Q.quantize_1x128_sorted
-    monkeypatch.setattr(Q, "quantize_1x128_sorted", lambda *a, **k: sorted_quantizer.append(1) or real(*a, **k))
     from kernels.moe.mega_fp8 import forward as Fw
 
-    monkeypatch.setattr(Fw, "quantize_1x128_sorted", Q.quantize_1x128_sorted)
+    sorted_quantizer, real = [], Fw.quantize_1x128_sorted
+    monkeypatch.setattr(Fw, "quantize_1x128_sorted", lambda *a, **k: sorted_quantizer.append(1) or real(*a, **k))
     out = {}
     for engine in ("triton", "gluon"):
         leaves = [t.clone().requires_grad_() for t in (x, s, w1, w3, w2)]
