@@ -8,9 +8,12 @@ shapes); with one, the same tests run on it, plus one at the Qwen3-30B expert sh
   all five gradients below ``FP8_BOUND`` = 8%. Why 8%: e4m3 keeps 3 mantissa bits, so rounding a
   Gaussian operand in 1 x 128 / 128 x 128 tiles costs ~2.5-3% rms relative error (test_fp8.py bounds
   one GEMM at 6%); every output here composes four or five such roundings in quadrature (y: x, w1/w3,
-  A, w2; dx: dy, w2, dH, w1/w3), which measures 5.5-7% at these shapes. The routing-weight
-  gradient gets ``DS_BOUND`` = 12%: it is only T*K scalars, each an inner product over F, so its
-  norm ratio is a noisy estimate (3.8-10% seen over seeds at T*K = 33).
+  A, w2; dx: dy, w2, dH, w1/w3), which measures 5.5-7.3% at these shapes. The routing-weight
+  gradient gets ``DS_BOUND`` = 20%: it is only T*K scalars, each an inner product over F whose
+  terms cancel, so its norm ratio is a noisy estimate with a long tail. Measured over 100-150 seeds
+  per case (CPU interpreter): median 6.5-6.7%, 95th percentile 8-10%, worst 12.7% (T 27, top-1,
+  ~19 routed slots), 10.4% (T 33) and 9.9% (T 40, top-2); 12% failed 1.3% of runs of the T 27
+  case. A wrong tile or scale moves it by O(1), and the tight check below stays exact.
 - tight, against ``kernels/moe/mega_fp8/reference.py``: the same quantized pipeline with float64
   GEMMs, fed the op's own saved H and routing metadata. The kernels quantize bit-identically, so
   what differs is fp32 accumulation order and the final bf16 roundings (and, under the interpreter,
@@ -45,7 +48,7 @@ from tests.utils import (  # noqa: E402
 skip_unless_runnable(B._dh_from_da_kernel, "kernels.moe.mega_fp8")
 BF16 = torch.bfloat16
 FP8_BOUND = 0.08
-DS_BOUND = 0.12
+DS_BOUND = 0.2
 TIGHT_BOUND = 5e-3
 REQUANT_BOUND = 2e-2  # see _assert_tight
 GRADS = ("x", "topk_weights", "w1", "w3", "w2")
