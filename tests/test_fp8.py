@@ -8,7 +8,8 @@ torch's). Two kinds of check:
   error bounds: |dequant(quant(x)) - x| <= 2^-4 |x| + s * 2^-10 per element (half an e4m3 ulp for
   normals, half the subnormal step 2^-9 * s below), whatever the scale rounding;
 - GEMMs: kernel vs float64 from the dequantized operands (tight: only fp32 accumulation differs),
-  and vs the unquantized product (FP8-level: relative Frobenius error below 6%).
+  and vs the unquantized product (FP8-level: relative Frobenius error below 6%, 9% with power-of-two
+  scales where the reduction spans few tiles).
 
 Inputs are fresh random draws each run; the seed is in every failure message (TEST_SEED=<n> replays it).
 """
@@ -547,7 +548,11 @@ def test_cols_grouped_and_wgrad(routing, pow2):
     xg = x.double()[slots.long() // K]
     exact = torch.stack([dh[offs[e] : offs[e + 1]].double().t() @ xg[offs[e] : offs[e + 1]] for e in range(E)])
     rel = ((dw.double() - exact).norm() / exact.norm()).item()
-    assert rel < 0.06, f"{msg}: relative error vs unquantized {rel}"
+    # Power-of-two scales round each block's scale up, by up to 2x, so e4m3 keeps up to one bit less
+    # of a block. Measured over 60 seeds per case (CPU interpreter): worst 3.9% without, 5.85% with
+    # (median 3.6-3.8%); the reduction spans few 128-row tiles, so one unlucky block moves the norm.
+    bound = 0.09 if pow2 else 0.06
+    assert rel < bound, f"{msg}: relative error vs unquantized {rel}"
 
 
 # --------------------------------------------------------------------------------------------------
