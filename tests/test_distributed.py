@@ -90,7 +90,7 @@ def reference(tmp_path_factory):
 LAYOUTS = {
     "dp_shard2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
     "ep2": (2, ["--parallelism.expert_parallel_degree", "2"]),
-    "dp_shard2_x_ep2": (4, ["--parallelism.expert_parallel_degree", "2"]),
+    # dp_shard 2 x ep 2 on 4 ranks trains like one process in test_save_at_4_ranks_load_at_2.
     "dp_replicate2_x_dp_shard2": (4, ["--parallelism.data_parallel_replicate_degree", "2"]),
     # HSDP with EP: finish_expert_grads sums the expert gradients over the replicas.
     "dp_replicate2_x_ep2": (4, ["--parallelism.data_parallel_replicate_degree", "2",
