@@ -184,6 +184,10 @@ class ActivationCheckpoint:
     keep_layers: int = _field(0, "with keep, how many checkpointed blocks keep those ops: the first n, the others "
                               "recomputed whole; fewer holds less memory (per kept block, what keep names), "
                               "0 = every checkpointed block", ge=0)
+    keep_moe_layers: int = _field(0, "with keep = attention_and_moe, how many of the keeping blocks also keep the "
+                                  "routed experts: the first n, the others keep the attention core only (under "
+                                  "expert parallelism the experts hold the exchange's buffers, far more per block "
+                                  "than attention); 0 = every keeping block", ge=0)
 
 
 @dataclass
@@ -463,6 +467,17 @@ def _check_consistency(cfg: JobConfig, sources: dict[tuple[str, str], str]) -> N
                           f"[activation_checkpoint] keep_layers = {ac.keep_layers} limits the blocks that keep ops, "
                           f"but keep = \"none\" keeps none; set keep (e.g. \"attention\"), or keep_layers = 0 "
                           "(--activation_checkpoint.keep_layers 0)")
+    if ac.keep_moe_layers and ac.keep != "attention_and_moe":
+        where = _where(sources, ("activation_checkpoint", "keep_moe_layers"), ("activation_checkpoint", "keep"))
+        raise ConfigError(f"{where}: [activation_checkpoint] keep_moe_layers = {ac.keep_moe_layers} says how many "
+                          f"blocks keep the routed experts, but keep = {ac.keep!r} keeps no experts; set keep = "
+                          "\"attention_and_moe\" (--activation_checkpoint.keep attention_and_moe), or "
+                          "keep_moe_layers = 0")
+    if ac.keep_layers and ac.keep_moe_layers > ac.keep_layers:
+        where = _where(sources, ("activation_checkpoint", "keep_moe_layers"), ("activation_checkpoint", "keep_layers"))
+        raise ConfigError(f"{where}: [activation_checkpoint] keep_moe_layers = {ac.keep_moe_layers} is more than "
+                          f"keep_layers = {ac.keep_layers}: the experts are kept only in blocks that keep the "
+                          "attention core; lower keep_moe_layers or raise keep_layers")
     n = cfg.parallelism.simulate_world_size
     if n:
         where = _where(sources, ("parallelism", "simulate_world_size"))

@@ -69,7 +69,9 @@ def apply_ac(model: nn.Module, cfg: ActivationCheckpoint) -> None:
 
     ``keep`` other than "none": a checkpointed block (the first ``keep_layers`` of them, if not 0;
     the others are wrapped whole) is not wrapped; its forward becomes
-    :func:`keeping_forward`, which checkpoints the regions around the kept ops. Blocks are compiled
+    :func:`keeping_forward`, which checkpoints the regions around the kept ops. With
+    "attention_and_moe" and ``keep_moe_layers`` n > 0, only the first n of those blocks keep the
+    experts; the later ones keep the attention core only. Blocks are compiled
     in place before this (``parallelisms/__init__.py``), and the compiled call looks ``forward`` up
     when it first traces, so under compile those checkpoints sit inside the compiled block.
     """
@@ -83,7 +85,10 @@ def apply_ac(model: nn.Module, cfg: ActivationCheckpoint) -> None:
     for i, (name, block) in enumerate(list(model.layers.named_children())):
         if cfg.mode == "full" or i % cfg.selective_layer_interval == 0:
             if cfg.keep != "none" and (cfg.keep_layers == 0 or kept < cfg.keep_layers):
+                keep = cfg.keep
+                if keep == "attention_and_moe" and cfg.keep_moe_layers and kept >= cfg.keep_moe_layers:
+                    keep = "attention"
                 kept += 1
-                block.forward = functools.partial(keeping_forward, block, cfg.keep)
+                block.forward = functools.partial(keeping_forward, block, keep)
             else:
                 model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))

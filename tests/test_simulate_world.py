@@ -391,13 +391,16 @@ def test_compiled_blocks_of_two_widths_in_one_process(tmp_path, capsys, monkeypa
         assert all(math.isfinite(s["loss"]) for s in logged_steps(out).values()), out
 
 
-@pytest.mark.parametrize("keep,keep_layers", [("none", 0), ("attention", 0), ("attention", 1)])
-def test_compiled_step_runs_each_exchange_once(tmp_path, monkeypatch, keep, keep_layers):
+@pytest.mark.parametrize("keep,keep_layers,keep_moe_layers,sends",
+                         [("none", 0, 0, 12), ("attention", 0, 0, 12), ("attention", 1, 0, 12),
+                          ("attention_and_moe", 0, 1, 10)])
+def test_compiled_step_runs_each_exchange_once(tmp_path, monkeypatch, keep, keep_layers, keep_moe_layers, sends):
     """A compiled EP step sends the token rows 6 times per layer, no more: dispatch and return in the
     forward, again in the recomputation, and their two backward all-to-alls (also with one block
-    keeping attention and the other recomputed whole). torch 2.11 traced the exchange twice into the
-    forward graph when the combine was an opaque op (8-9 per layer: an extra exchange and expert
-    forward per layer on the GPU machine's torch)."""
+    keeping attention and the other recomputed whole); a block that keeps the experts sends them 4
+    times, skipping the recomputation's. torch 2.11 traced the exchange twice into the forward graph
+    when the combine was an opaque op (8-9 per layer: an extra exchange and expert forward per layer
+    on the GPU machine's torch)."""
     from parallelisms.simulate import LoopbackGroup
 
     rows_sent = []
@@ -414,14 +417,15 @@ def test_compiled_step_runs_each_exchange_once(tmp_path, monkeypatch, keep, keep
     trainer = make_trainer(tmp_path, *TINY, SIM, "4", EP, "2", "--model.n_layers", str(layers), "--compile.enable",
                            "--compile.backend", "aot_eager", "--compile.loss", "false",
                            "--training.mixed_precision_param", "bfloat16", "--activation_checkpoint.mode", "full",
-                           "--activation_checkpoint.keep", keep, "--activation_checkpoint.keep_layers", str(keep_layers))
+                           "--activation_checkpoint.keep", keep, "--activation_checkpoint.keep_layers", str(keep_layers),
+                           "--activation_checkpoint.keep_moe_layers", str(keep_moe_layers))
     try:
         run_losses(trainer, 1)  # compiles (and may run collectives while tracing)
         rows_sent.clear()
         run_losses(trainer, 2)
     finally:
         dist.destroy_process_group()
-    assert len(rows_sent) == 6 * layers * 2, rows_sent
+    assert len(rows_sent) == sends * 2, rows_sent
 
 
 def _saved_outside_regions(tmp_path, layers: int) -> collections.Counter:

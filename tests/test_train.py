@@ -354,17 +354,23 @@ def test_ac_keep_trains_like_full_ac(losses_of, keep, extra):
         first_kept = losses_of(*common, "--activation_checkpoint.keep", keep, "--activation_checkpoint.keep_layers",
                                "1")
         assert first_kept == full
+        if keep == "attention_and_moe":  # a block keeping the experts beside one keeping attention only
+            first_moe = losses_of(*common, "--activation_checkpoint.keep", keep,
+                                  "--activation_checkpoint.keep_moe_layers", "1")
+            assert first_moe == full
 
 
-@pytest.mark.parametrize("keep,keep_layers,attend_calls,expert_calls",
-                         [("none", 0, [2, 2], [2, 2]), ("attention", 0, [1, 1], [2, 2]),
-                          ("attention_and_moe", 0, [1, 1], [1, 1]), ("attention", 1, [1, 2], [2, 2]),
-                          ("attention_and_moe", 1, [1, 2], [1, 2]), ("attention", 5, [1, 1], [2, 2])])
-def test_ac_keep_skips_the_kept_ops_in_recomputation(tmp_path, monkeypatch, keep, keep_layers, attend_calls,
-                                                     expert_calls):
+@pytest.mark.parametrize("keep,keep_layers,keep_moe_layers,attend_calls,expert_calls",
+                         [("none", 0, 0, [2, 2], [2, 2]), ("attention", 0, 0, [1, 1], [2, 2]),
+                          ("attention_and_moe", 0, 0, [1, 1], [1, 1]), ("attention", 1, 0, [1, 2], [2, 2]),
+                          ("attention_and_moe", 1, 0, [1, 2], [1, 2]), ("attention", 5, 0, [1, 1], [2, 2]),
+                          ("attention_and_moe", 0, 1, [1, 1], [1, 2]), ("attention_and_moe", 2, 1, [1, 1], [1, 2])])
+def test_ac_keep_skips_the_kept_ops_in_recomputation(tmp_path, monkeypatch, keep, keep_layers, keep_moe_layers,
+                                                     attend_calls, expert_calls):
     """Per layer and step (eager): full AC runs the attention core and the experts twice (forward and
     recomputation); each kept op runs once, in the first ``keep_layers`` blocks where that is not 0
-    (more than the model has keeps all)."""
+    (more than the model has keeps all), the experts in the first ``keep_moe_layers`` of those where
+    that is not 0."""
     from models.moe.moe import GroupedExperts
     from models.qwen3.model import Attention
 
@@ -382,7 +388,8 @@ def test_ac_keep_skips_the_kept_ops_in_recomputation(tmp_path, monkeypatch, keep
     monkeypatch.setattr(Attention, "attend", counting_attend)
     monkeypatch.setattr(GroupedExperts, "forward", counting_experts)
     trainer = make_trainer(tmp_path, "--training.steps", "1", "--activation_checkpoint.mode", "full",
-                           "--activation_checkpoint.keep", keep, "--activation_checkpoint.keep_layers", str(keep_layers))
+                           "--activation_checkpoint.keep", keep, "--activation_checkpoint.keep_layers", str(keep_layers),
+                           "--activation_checkpoint.keep_moe_layers", str(keep_moe_layers))
     assert trainer.model_args.n_layers == len(attend_calls)
     run_losses(trainer)
     assert calls == {"attend": sum(attend_calls), "experts": sum(expert_calls)}
@@ -394,6 +401,16 @@ def test_ac_keep_needs_checkpointing(tmp_path):
         make_trainer(tmp_path, "--activation_checkpoint.keep", "attention")
     with pytest.raises(ConfigError, match="keep_layers = 2 limits the blocks that keep ops, but keep = \"none\""):
         make_trainer(tmp_path, "--activation_checkpoint.mode", "full", "--activation_checkpoint.keep_layers", "2")
+    with pytest.raises(ConfigError, match=r"command line: \[activation_checkpoint\] keep_moe_layers = 1 says how many "
+                       r"blocks keep the routed experts, but keep = 'attention' keeps no experts; set keep = "
+                       r"\"attention_and_moe\" \(--activation_checkpoint.keep attention_and_moe\)"):
+        make_trainer(tmp_path, "--activation_checkpoint.mode", "full", "--activation_checkpoint.keep", "attention",
+                     "--activation_checkpoint.keep_moe_layers", "1")
+    with pytest.raises(ConfigError, match="keep_moe_layers = 3 is more than keep_layers = 2: the experts are kept "
+                                          "only in blocks that keep the attention core"):
+        make_trainer(tmp_path, "--activation_checkpoint.mode", "full", "--activation_checkpoint.keep",
+                     "attention_and_moe", "--activation_checkpoint.keep_layers", "2",
+                     "--activation_checkpoint.keep_moe_layers", "3")
 
 
 def test_fused_adamw_clips_inside_its_kernel(tmp_path, monkeypatch):
