@@ -303,6 +303,22 @@ def test_gate_up_rejects_what_it_cannot_run():
         GU.fp8_gate_up_swiglu_ws(aq, as_, wq, ws, wq, ws, offs, tiles=torch.zeros(2, 3, dtype=torch.int32, device="cuda"))
 
 
+def test_checked_tile_table():
+    """The Gluon launchers' tile table (CPU: no kernel runs): built when not given, and a caller's table
+    of the wrong size, or without room for the tile count stored after it, refused."""
+    from kernels.moe.routing import max_tiles, tile_table
+
+    offs = torch.tensor([0, 130, 130, 300], dtype=torch.int32)  # an empty expert, partial tiles
+    Nr, n = 300, max_tiles(300, 3, G.BLOCK_M)
+    built = G.checked_tile_table(None, offs, Nr, n)
+    assert torch.equal(built, tile_table(offs, Nr, G.BLOCK_M))
+    assert G.checked_tile_table(built, offs, Nr, n) is built
+    with pytest.raises(ValueError, match="is not a table of 128-row tiles over 300 rows"):
+        G.checked_tile_table(torch.zeros(2, n + 1, dtype=torch.int32), offs, Nr, n)
+    with pytest.raises(ValueError, match="which also stores the tile count after it"):
+        G.checked_tile_table(torch.zeros(2, n, dtype=torch.int32), offs, Nr, n)  # no count past the table
+
+
 def test_engine_choice():
     with pytest.raises(ValueError, match="one of"):
         resolve_engine("cutlass", "cpu")

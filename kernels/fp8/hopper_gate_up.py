@@ -28,10 +28,9 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from kernels.fp8.blockwise import TILE
 from kernels.fp8.grouped_gemm import _check_fp8, _check_scales
 from kernels.fp8.hopper_gemm import BLOCK_K, CONSUMER_REGS, MAXNREG, PRODUCER_REGS, _descriptor, allocate_ring
-from kernels.fp8.hopper_grouped import _grouped_producer, _tile_of
-from kernels.moe.routing import max_tiles, tile_table
+from kernels.fp8.hopper_grouped import BLOCK_M, _grouped_producer, _tile_of, checked_tile_table
+from kernels.moe.routing import max_tiles
 
-BLOCK_M = 128  # rows per tile: the tile table must be built for it
 STAGES = 4  # 48 KiB of tiles a stage (A, w1, w3)
 E4M3_MAX = gl.constexpr(448.0)
 AMAX_EPS = gl.constexpr(1e-12)
@@ -221,13 +220,7 @@ def fp8_gate_up_swiglu_ws(a_q: torch.Tensor, a_s: torch.Tensor, w1_q: torch.Tens
     n_tiles = max_tiles(Nr, E, BLOCK_M)
     if Nr == 0 or F == 0 or n_tiles == 0:
         return h, (aq, a_scales)
-    if tiles is None:
-        tiles = tile_table(offsets_E1, Nr, BLOCK_M)
-    elif (tuple(tiles.shape) != (2, n_tiles) or not tiles.is_contiguous()
-          or tiles.untyped_storage().nbytes() < (tiles.storage_offset() + 2 * n_tiles + 1) * 4):
-        # The kernel also reads the real tile count stored right after the table.
-        raise ValueError(f"tiles (shape {tuple(tiles.shape)}) is not a table of 128-row tiles over {Nr} rows; "
-                         f"pass tile_table(offsets_E1, {Nr}, 128), which also stores the tile count after it")
+    tiles = checked_tile_table(tiles, offsets_E1, Nr, n_tiles)
     a_desc = _descriptor(a_q, [BLOCK_M, TILE], gl.float8e4nv)
     b1_desc = _descriptor(w1_q.view(E * F, D), [128, TILE], gl.float8e4nv)
     b3_desc = _descriptor(w3_q.view(E * F, D), [128, TILE], gl.float8e4nv)

@@ -37,6 +37,19 @@ from kernels.moe.routing import max_tiles, tile_table
 BLOCK_M = 128  # rows per tile: the tile table must be built for it
 
 
+def checked_tile_table(tiles: torch.Tensor | None, offsets_E1: torch.Tensor, Nr: int, n_tiles: int) -> torch.Tensor:
+    """The 128-row tile table a grouped launcher reads: built from ``offsets_E1`` when ``tiles`` is
+    None, else the caller's, checked to be one of ``n_tiles`` (``max_tiles(Nr, E, 128)``) entries."""
+    if tiles is None:
+        return tile_table(offsets_E1, Nr, BLOCK_M)
+    if (tuple(tiles.shape) != (2, n_tiles) or not tiles.is_contiguous()
+            or tiles.untyped_storage().nbytes() < (tiles.storage_offset() + 2 * n_tiles + 1) * 4):
+        # The kernel also reads the real tile count stored right after the table.
+        raise ValueError(f"tiles (shape {tuple(tiles.shape)}) is not a table of 128-row tiles over {Nr} rows; "
+                         f"pass tile_table(offsets_E1, {Nr}, 128), which also stores the tile count after it")
+    return tiles
+
+
 @gluon.jit
 def _tile_of(tile, num_n, num_tiles, table_ptr):
     """Persistent-loop index -> (expert, first row, N tile): M tile ``tile // num_n`` of the table."""
@@ -192,13 +205,7 @@ def fp8_grouped_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor,
         return out
     if K == 0:
         return out.zero_()
-    if tiles is None:
-        tiles = tile_table(offsets_E1, Nr, BLOCK_M)
-    elif (tuple(tiles.shape) != (2, n_tiles) or not tiles.is_contiguous()
-          or tiles.untyped_storage().nbytes() < (tiles.storage_offset() + 2 * n_tiles + 1) * 4):
-        # The kernel also reads the real tile count stored right after the table.
-        raise ValueError(f"tiles (shape {tuple(tiles.shape)}) is not a table of 128-row tiles over {Nr} rows; "
-                         f"pass tile_table(offsets_E1, {Nr}, 128), which also stores the tile count after it")
+    tiles = checked_tile_table(tiles, offsets_E1, Nr, n_tiles)
     a_desc = _descriptor(a_q, [BLOCK_M, TILE], gl.float8e4nv)
     b_desc = _descriptor(b_q.view(E * N, K), [128, TILE], gl.float8e4nv)
     sms = torch.cuda.get_device_properties(a_q.device).multi_processor_count
