@@ -10,9 +10,7 @@ checkpoint (components/signals.py).
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import importlib.util
 import math
 import os
 import random
@@ -26,25 +24,20 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from components.checkpoint import CheckpointError, CheckpointManager, check_output_folders, model_identity
-from components.compute_weights import (EXPERT_WEIGHTS, ComputeLinear, attach_to_optimizer, enable_compute_weights,
-                                        expert_mode, grad_carriers, invalidate_compute_weights,
-                                        refresh_compute_weights)
 from components.config import ConfigError, JobConfig, parse_args
 from components.dataloader import DataError, build_dataloader
 from components.loss import build_loss_fn
-from components.float8 import convert_to_float8
 from components.garbage_collection import GarbageCollection
 from components.metrics import MetricsLogger, flops_per_token, format_drops
 from components.optimizer import build_lr_scheduler, build_optimizer, folds_grad_scale, lr_factor
+from components.precision import Precision
 from components.profiling import StepProfiler
 from components.signals import GracefulStop, Interrupted, interruptible
 from components.tokenizer import TokenizerError, build_tokenizer
-from kernels.moe import available_moe_backends, get_moe_backend, resolve_moe_backend
-from models.moe.router import TokenChoiceTopKRouter, update_expert_bias
+from models.moe.router import update_expert_bias
 from models.qwen3.args import get_model_args
 from models.qwen3.model import Qwen3MoE, count_params
 from parallelisms import parallelize_model
-from parallelisms.ep_proxy import check_ep_proxy, describe_ep_proxy, ep_proxy_label
 from parallelisms.parallel_dims import build_parallel_dims
 from parallelisms.expert_parallel import finish_expert_grads
 from parallelisms.simulate import loopback_copy_seconds, simulation_line
@@ -63,88 +56,6 @@ def warn(message: str) -> None:
     """A warning line on stderr, from rank 0 only (before the process group exists, by RANK)."""
     if os.environ.get("RANK", "0") == "0":
         print(f"warning: {message}", file=sys.stderr, flush=True)
-
-
-def check_implemented(cfg: JobConfig) -> None:
-    """Settings whose code has not landed yet, or that this machine cannot run, stop the run here
-    instead of being ignored or failing at the first step."""
-    try:
-        name = resolve_moe_backend(cfg.moe.backend, cfg.quantize.moe)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    if name not in available_moe_backends():
-        raise ConfigError(f"[quantize] moe = {cfg.quantize.moe!r} with [moe] backend = {cfg.moe.backend!r} "
-                          f"(backend {name!r}) is not implemented yet; set [quantize] moe = \"none\" (bf16)")
-    on_gpu = cfg.training.device != "cpu" and torch.cuda.is_available()
-    check_backend_runs(name, cfg.moe.backend, cfg.quantize.moe, on_gpu)
-    if name == "mega_fp8":
-        from kernels.fp8.engine import gluon_unavailable
-
-        device = "cuda" if on_gpu else "cpu"
-        if cfg.quantize.fp8_gemm_engine == "gluon" and (reason := gluon_unavailable(device)):
-            raise ConfigError(f"[quantize] fp8_gemm_engine = \"gluon\" cannot run: {reason}; use \"auto\" (Gluon "
-                              "where it runs, else Triton) or \"triton\"")
-
-
-def fp8_per_call_note(backend: str, weight_cache_mode: str | None, on_gpu: bool) -> str | None:
-    """Why FP8 experts would run slower than bf16 ones here, or None: without the e4m3 weight cache
-    (expert-FSDP shards, no bf16 compute dtype, or the cache turned off) the op quantizes its
-    weights on every call, which measured slower than the bf16 experts (BENCHMARKS.md)."""
-    if backend != "mega_fp8" or weight_cache_mode == "fp8_blockwise" or not on_gpu:
-        return None
-    return ("[quantize] moe = \"fp8_blockwise\": the experts' e4m3 copies are made on every call here (they are "
-            "cached only where each rank holds whole experts under bf16: one process, or expert parallelism without "
-            "expert-FSDP sharding, with [moe] cache_expert_weights), and per-call quantization is slower than bf16 "
-            "experts (docs/fp8.md); [quantize] moe = \"none\" runs them in bf16")
-
-
-def configure_fp8_experts(model: torch.nn.Module, quantize, device: torch.device, log):
-    """The ``mega_fp8`` experts' options from ``[quantize]`` (their GEMM engine), set on every expert
-    module and returned; None when no expert runs ``mega_fp8``. Logs the engine the GEMMs run on."""
-    from models.moe.moe import GroupedExperts
-
-    experts = [m for m in model.modules() if isinstance(m, GroupedExperts) and m.backend_name == "mega_fp8"]
-    if not experts:
-        return None
-    from kernels.fp8.engine import gluon_unavailable, resolve_engine
-    from kernels.moe.mega_fp8 import MegaFP8Options
-
-    options = MegaFP8Options(engine=quantize.fp8_gemm_engine)
-    for m in experts:
-        m.backend = functools.partial(get_moe_backend("mega_fp8"), options=options)
-    engine = resolve_engine(options.engine, device)
-    why = f" ({gluon_unavailable(device)})" if engine == "triton" and options.engine == "auto" else ""
-    log(f"FP8 expert GEMMs: {engine} engine{why}")
-    return options
-
-
-def check_backend_runs(name: str, backend: str, quantize: str, on_gpu: bool) -> None:
-    """The registered MoE backend ``name`` (``[moe] backend`` at ``[quantize] moe``) has its package
-    and a device it runs on."""
-    chosen = f"[moe] backend = {backend!r}" + (f" with [quantize] moe = {quantize!r}" if quantize != "none" else "")
-    on_cpu_use = "on CPU use [moe] backend = \"grouped_mm\" (or \"torch\")" + (
-        " with [quantize] moe = \"none\"" if quantize != "none" else "")
-    if name == "torchtitan":
-        try:
-            get_moe_backend(name)
-        except ImportError:
-            raise ConfigError(f"{chosen} runs upstream TorchTitan's expert code, which is not installed: "
-                              f"pip install \".[baseline]\" (torchtitan==0.2.2, torchao==0.16.0)"
-                              + ("" if on_gpu else f"; it also needs a CUDA device: {on_cpu_use}")) from None
-        if not on_gpu:
-            raise ConfigError(f"{chosen} needs a CUDA device (upstream's MoE does not run on CPU); {on_cpu_use}")
-    if name in ("mega", "mega_fp8"):
-        if importlib.util.find_spec("triton") is None:
-            raise ConfigError(f"{chosen} runs Triton kernels, and triton is not installed: pip install \".[kernels]\"")
-        if not on_gpu:
-            from kernels.triton_utils import interpreting
-
-            if not interpreting():
-                raise ConfigError(f"{chosen} runs Triton kernels on a CUDA GPU, and this run is on CPU; {on_cpu_use}. "
-                                  f"(Triton's CPU interpreter runs these kernels for the tests only: a step of the "
-                                  f"debug model takes many minutes in it)")
-            warn(f"{chosen} runs in Triton's CPU interpreter (TRITON_INTERPRET=1), which is meant for the tests: "
-                 f"only tiny runs finish (a step of the debug model takes many minutes)")
 
 
 def resolve_device(choice: str) -> torch.device:
@@ -168,14 +79,10 @@ class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         t, m = cfg.training, cfg.model
-        # Everything that can be wrong with the config or the inputs is checked before the model exists.
-        check_implemented(cfg)
         self.model_args = get_model_args(m.flavor, n_layers=m.n_layers, rope_theta=m.rope_theta)
         self.device = resolve_device(t.device)
         world_size = init_distributed(self.device.type, cfg.parallelism.simulate_world_size)
         self.distributed = torch.distributed.is_initialized()
-        proxy = cfg.experimental.simulate_expert_parallel_degree
-        check_ep_proxy(cfg, world_size, self.distributed, self.model_args.num_experts, m.flavor)
         self.parallel_dims = build_parallel_dims(cfg.parallelism, world_size, self.model_args.num_experts,
                                                  self.device.type)
         if self.device.type == "cuda":
@@ -191,12 +98,15 @@ class Trainer:
             raise ConfigError(f"[training] global_batch_size = {global_bs} must be a multiple of local_batch_size "
                               f"({t.local_batch_size}) x data-parallel degree ({dp})")
         self.grad_accum_steps = global_bs // (t.local_batch_size * dp)
+        # Everything that can be wrong with the config or the inputs is checked before the model
+        # exists; what every module computes with is decided here, once.
+        self.precision = Precision(cfg, self.parallel_dims, self.device, self.distributed, self.grad_accum_steps)
+        for note in self.precision.warnings:
+            warn(note)
         # An unwritable output folder or a disk too small for a checkpoint: now, not at the first save.
         check_output_folders(cfg, count_params(self.model_args)[0])
         # The header comes before the long parts (tokenizing, building the model), which say how long they took.
         self.log(self.describe())
-        if proxy > 1:
-            self.log(describe_ep_proxy(proxy, self.model_args.num_experts))
         if cfg.parallelism.simulate_world_size > 1:
             self.log(simulation_line(world_size))
 
@@ -215,14 +125,13 @@ class Trainer:
 
         def meta_model(log) -> Qwen3MoE:
             with torch.device("meta"):
-                model = Qwen3MoE(self.model_args, moe_backend=resolve_moe_backend(cfg.moe.backend, cfg.quantize.moe),
+                model = Qwen3MoE(self.model_args, moe_backend=self.precision.moe_backend,
                                  use_expert_bias=cfg.moe.load_balance == "expert_bias",
-                                 attention_backend=m.attention_backend)
-            convert_to_float8(model, cfg.quantize, log=log)
+                                 attention_backend=m.attention_backend, moe_args=self.precision.moe_args)
+            self.precision.convert(model, log=log)
             return model
 
         model = meta_model(self.log)
-        self.fp8_options = configure_fp8_experts(model, cfg.quantize, self.device, self.log)
         parallelize_model(model, self.parallel_dims, cfg, self.distributed)
         model.to_empty(device=self.device)
         model.init_weights()
@@ -240,12 +149,12 @@ class Trainer:
         self.loss_fn = build_loss_fn(cfg.compile.enable and cfg.compile.loss, cfg.compile.backend)
         self.optimizer = build_optimizer(model, cfg.optimizer, self.device.type)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, t.steps, cfg.lr_scheduler)
-        self._enable_compute_weights(cfg)
-        self.log(f"built the model in {time.perf_counter() - built:.1f}s (expert weight cache "
-                 f"{self.weight_cache_mode or 'off'})")
+        self.precision.apply(model, self.optimizer)
+        self.log(f"built the model in {time.perf_counter() - built:.1f}s; {self.precision.describe()}")
         self.checkpoint = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, model, self.optimizer,
                                             self.lr_scheduler, self.dataloader,
-                                            model_identity(self.model_args, m.flavor, proxy), run_steps=t.steps)
+                                            model_identity(self.model_args, m.flavor), run_steps=t.steps,
+                                            on_load=self.precision.invalidate)
         self.saved: list[Path] = []  # checkpoints this run wrote
         self._save_started: dict[Path, float] = {}
         self.checkpoint_s = 0.0  # time the loop spent blocked on checkpoint saves
@@ -258,51 +167,8 @@ class Trainer:
             simulated_world=cfg.parallelism.simulate_world_size,
             # TensorBoard on rank 0 only: the scalars are already reduced over the ranks.
             log_dir=os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder) if self.rank == 0 else None,
-            proxy=ep_proxy_label(proxy) if proxy > 1 else "", expert_parallel=self.parallel_dims.ep_enabled)
-        # FSDP casts parameters itself (MixedPrecisionPolicy); a single process uses autocast.
-        self.amp = (torch.autocast(self.device.type, dtype=torch.bfloat16)
-                    if t.mixed_precision_param == "bfloat16" and not self.distributed else contextlib.nullcontext())
-
-    def _enable_compute_weights(self, cfg: JobConfig) -> None:
-        """The model computes with bf16 / e4m3 copies of its float32 weights, made once per optimizer
-        step or written by the optimizer, where this trainer would convert them per call
-        (components/compute_weights.py). Sets ``weight_cache_mode`` (the experts' copies: "bf16",
-        "fp8_blockwise" or None), ``shadow_weights`` (the copies carry the gradients),
-        ``shadowed_linears`` and ``caches_in_optimizer`` (the experts' copies the optimizer writes).
-
-        ``[moe] cache_expert_weights``: the experts' copies, where the trainer casts them itself (one
-        process under bf16 autocast, or expert parallelism; FSDP's all-gather casts the others).
-        ``[optimizer] shadow_weights`` with the Triton AdamW, one process under bf16 autocast and one
-        micro-batch per step (accumulation would sum in bf16): the copies carry the gradients, and
-        the dense linears get copies too."""
-        t = cfg.training
-        backend = resolve_moe_backend(cfg.moe.backend, cfg.quantize.moe)
-        self.weight_cache_mode, dtype, whole = None, None, True
-        if cfg.moe.cache_expert_weights:
-            if not self.distributed:
-                dtype = torch.bfloat16 if t.mixed_precision_param == "bfloat16" else None
-            elif self.parallel_dims.ep_enabled:
-                ep = next(m.expert_parallel for m in self.model.modules() if getattr(m, "expert_parallel", None))
-                dtype = ep.param_dtype if ep.param_dtype != torch.float32 else None
-                whole = ep.experts_whole
-            self.weight_cache_mode = expert_mode(backend, dtype, whole)
-        self.shadow_weights = (cfg.optimizer.shadow_weights and cfg.optimizer.implementation == "triton"
-                               and not self.distributed and t.mixed_precision_param == "bfloat16"
-                               and self.grad_accum_steps == 1)
-        pow2 = self.fp8_options.pow2_scales if self.fp8_options is not None else False
-        copies = enable_compute_weights(self.model, self.weight_cache_mode, dtype, pow2, linears=self.shadow_weights,
-                                        skip=(TokenChoiceTopKRouter,))
-        self.shadowed_linears = [m for m in self.model.modules() if isinstance(m, ComputeLinear)]
-        self.caches_in_optimizer = 0
-        self.has_compute_weights = bool(copies)
-        if note := fp8_per_call_note(backend, self.weight_cache_mode, self.device.type == "cuda"):
-            warn(note)
-        if copies:
-            # For eager forwards outside train_step (which refreshes the copies itself); registered
-            # before the optimizer's own hook, which marks the copies it wrote current.
-            self.optimizer.register_step_post_hook(lambda *_: invalidate_compute_weights(self.model))
-            taken = attach_to_optimizer(self.model, self.optimizer, carry_grads=self.shadow_weights)
-            self.caches_in_optimizer = sum(c.params == EXPERT_WEIGHTS for c in taken)
+            expert_parallel=self.parallel_dims.ep_enabled)
+        self.amp = self.precision.autocast()
 
     def describe(self) -> str:
         """The run header: what is trained where; printed before the data is tokenized."""
@@ -318,12 +184,9 @@ class Trainer:
         """One optimizer step over ``grad_accum_steps`` micro-batches: (loss, aux_loss, grad_norm),
         the losses averaged over micro-batches and data-parallel ranks."""
         cfg = self.cfg
-        # With shadow weights, bf16 copies hold the experts' and the linears' gradients.
-        params = [p for p in self.model.parameters() if p.requires_grad] + grad_carriers(self.model)
-        if self.has_compute_weights:
-            # Once per step, outside the compiled graph, whatever changed the weights since the last
-            # (optimizer step, checkpoint load): their versions cannot tell (components/compute_weights.py).
-            refresh_compute_weights(self.model)
+        # Compute copies that carry the gradients hold the experts' and the linears' in bf16.
+        params = [p for p in self.model.parameters() if p.requires_grad] + self.precision.grad_carriers()
+        self.precision.refresh()
         # ce, aux, EP-dropped slots, routed slots: summed on device, read once at the end of the step
         # (float64: the slot counts of a large job pass float32's exact integers).
         totals = torch.zeros(4, dtype=torch.float64, device=self.device)

@@ -91,7 +91,7 @@ class Layout:
     reshard_after_forward: str = Parallelism.fsdp_reshard_after_forward
     param_dtype: str = Training.mixed_precision_param
     full_ac: bool = True
-    fp8: bool = False  # [quantize] moe = fp8_blockwise, linear = fp8_rowwise: checked to send the same bytes
+    fp8: bool = False  # [precision] moe = fp8_blockwise, linear = fp8_rowwise: checked to send the same bytes
     gpus_per_node: int = 8
 
 
@@ -302,7 +302,7 @@ def _notes(layout: Layout, d: dict) -> list[str]:
                      f"routing (static buffers); at balanced routing {d['real_rows_per_peer_balanced']:.0f} of them "
                      f"are real (capacity factor {layout.capacity_factor}).")
     if layout.fp8:
-        notes.append("FP8 ([quantize] moe = fp8_blockwise, linear = fp8_rowwise) sends the same bytes: rows are "
+        notes.append("FP8 ([precision] moe = fp8_blockwise, linear = fp8_rowwise) sends the same bytes: rows are "
                      "quantized by the expert kernels after the dispatch, FSDP gathers the FP8 linears' weights in "
                      "bf16, and the expert all-gather is bf16 (there is no FP8 all-gather; without expert sharding "
                      "the e4m3 copies are made locally).")
@@ -378,7 +378,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--reshard-after-forward", default=Layout.reshard_after_forward,
                    choices=("default", "always", "never"))
     p.add_argument("--no-ac", action="store_true", help="no activation checkpointing (default: full)")
-    p.add_argument("--fp8", action="store_true", help="the shipped [quantize] settings (same bytes; noted)")
+    p.add_argument("--fp8", action="store_true", help="the shipped [precision] settings (same bytes; noted)")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--nvlink-gbps", type=float, default=NVLINK_BYTES_PER_S / 1e9, help="GB/s per GPU and direction")
     p.add_argument("--ib-gbps", type=float, default=IB_BYTES_PER_S / 1e9, help="GB/s per GPU and direction")

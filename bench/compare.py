@@ -22,10 +22,10 @@ Runs, one after another, each in its own process with a timeout and its log kept
 * ``ours_torchtitan``, ``ours_grouped_mm``, ``ours_mega``: ``train.py`` with the same shape, seq len,
   batch, activation checkpointing, compile and optimizer hyperparameters, one process (bf16
   autocast, as upstream on one GPU), and the three MoE backends. The AdamW is ours in Triton with
-  shadow weights on one GPU (``[optimizer] implementation = "triton"``;
+  the compute copies on one GPU (``[optimizer] implementation = "triton"``;
   ``--variant name="--optimizer.implementation auto"`` runs torch's fused one, as upstream does), torch's fused one under torchrun. ``ours_grouped_mm_fp8`` runs ``grouped_mm`` with
-  ``[quantize] moe = fp8_rowwise`` (TorchTitan's FP8 method), ``ours_mega_fp8`` runs ``mega`` with
-  ``[quantize] moe = fp8_blockwise``.
+  ``[precision] moe = fp8_rowwise`` (TorchTitan's FP8 method), ``ours_mega_fp8`` runs ``mega`` with
+  ``[precision] moe = fp8_blockwise``.
 
 Both trainers read the same tokenizer (``assets/tokenizer/tokenizer.json``: the project's
 sentencepiece model converted with identical ids, see ``sentencepiece_to_hf``) and the same data
@@ -39,7 +39,7 @@ by default (``--load-balance`` changes it).
 ``--simulate-world N`` (with ``--gpus 1``) times one rank of an N-rank job on the one GPU: each
 run is one plain process acting as rank 0 of N with the collectives looped back, upstream through
 ``bench/titan_simulated.py`` and ours through ``[parallelism] simulate_world_size``, both with the
-same FSDP over N and EP ``--ep``. Times exclude communication; the report marks such runs ``proxy``.
+same FSDP over N and EP ``--ep``. Times exclude communication; the report marks such runs ``simulated``.
 
 Reported per run, over steps 6-20 (``--window``): mean tokens/s per GPU (mean of the per-step
 figures), mean step time (ours: as logged; upstream: tokens per step / its tps, since it logs no
@@ -311,7 +311,7 @@ def plan(s: Setting, *, toml_path: Path, data_dir: Path, python: str = sys.execu
             "--training.max_norm", repr(MAX_NORM), "--training.seed", str(SEED),
             "--training.mixed_precision_param", "bfloat16", "--training.device", "cuda",
             "--optimizer.lr", repr(LR), "--optimizer.eps", "1e-8", "--optimizer.weight_decay", repr(WEIGHT_DECAY),
-            # Ours in Triton (with shadow weights) in one process; torch's fused AdamW over FSDP's DTensors.
+            # Ours in Triton (writing the compute copies) in one process; torch's fused AdamW over FSDP's DTensors.
             "--optimizer.implementation", "triton" if s.world == 1 else "auto",
             "--lr_scheduler.warmup_steps", str(WARMUP_STEPS), "--lr_scheduler.decay_type", "cosine",
             "--lr_scheduler.decay_ratio", "1.0", "--lr_scheduler.min_lr_factor", repr(MIN_LR_FACTOR),
@@ -338,9 +338,9 @@ def plan(s: Setting, *, toml_path: Path, data_dir: Path, python: str = sys.execu
             ours + ["--moe.backend", "grouped_mm", *ours_extra]),
         Run("ours_mega", "ours, `mega` backend, bf16", "ours", "bf16", ours + ["--moe.backend", "mega", *ours_extra]),
         Run("ours_grouped_mm_fp8", "ours, `grouped_mm` backend, FP8 experts (rowwise, TorchTitan's method)",
-            "ours", "fp8", ours + ["--moe.backend", "grouped_mm", "--quantize.moe", "fp8_rowwise", *ours_extra]),
+            "ours", "fp8", ours + ["--moe.backend", "grouped_mm", "--precision.moe", "fp8_rowwise", *ours_extra]),
         Run("ours_mega_fp8", "ours, `mega` backend, FP8 experts (blockwise)", "ours", "fp8",
-            ours + ["--moe.backend", "mega", "--quantize.moe", "fp8_blockwise", *ours_extra]),
+            ours + ["--moe.backend", "mega", "--precision.moe", "fp8_blockwise", *ours_extra]),
     ] + [
         Run(name, f"ours, `{_variant_backend(args)}` backend, `{shlex.join(args)}`", "ours",
             "fp8" if any("fp8" in a for a in args) else "bf16",
@@ -541,11 +541,11 @@ def summarize(steps: dict[int, dict[str, float]], tokens_per_step: int,
 
 
 def summarize_log(text: str, tokens_per_step: int, window: tuple[int, int]) -> dict[str, Any]:
-    """:func:`summarize` of a trainer's log, with ``proxy``: the line that says the run simulates one
-    rank of expert parallelism or rank 0 of a larger world (its times exclude the collectives), else None."""
-    proxy = next((line for line in _ANSI.sub("", text).splitlines()
-                  if line.startswith(("simulating one rank of expert parallelism", "simulating rank 0 of "))), None)
-    return {**summarize(parse_step_lines(text), tokens_per_step, window), "proxy": proxy}
+    """:func:`summarize` of a trainer's log, with ``simulated``: the line that says the run simulates
+    rank 0 of a larger world (its times exclude the collectives), else None."""
+    simulated = next((line for line in _ANSI.sub("", text).splitlines() if line.startswith("simulating rank 0 of ")),
+                     None)
+    return {**summarize(parse_step_lines(text), tokens_per_step, window), "simulated": simulated}
 
 
 def add_ratios(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -655,8 +655,8 @@ def markdown(report: dict[str, Any]) -> str:
             status += f": {r['reason'].replace('|', '/')}"
         if ok and r.get("window_note"):
             status += f" ({r['window_note']})"
-        if ok and r.get("proxy"):
-            status += " (proxy of one EP rank: collectives excluded)"
+        if ok and r.get("simulated"):
+            status += " (simulated rank 0: collectives excluded)"
         tps = _fmt(r.get("tokens_per_s"), ",.0f") if ok else ""
         if ok and r.get("tokens_per_s_each"):
             tps += f" ({min(r['tokens_per_s_each']):,.0f}-{max(r['tokens_per_s_each']):,.0f})"
@@ -806,7 +806,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--titan-args", default="", help="extra arguments for TorchTitan's trainer, one string")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
                    help="an extra run NAME: ours_mega with ARGS added (repeatable), e.g. "
-                        "no_cache='--moe.cache_expert_weights false'")
+                        "no_copies='--precision.compute_copies false'")
     p.add_argument("--repeat", type=int, default=1, help="run the selected runs this many times, interleaved "
                    "(a, b, a, b, ...); the report gives each run's mean tokens/s with its min-max and the "
                    "best-vs-best ratio of each round (upstream's tokens/s moves a few %% between calls)")

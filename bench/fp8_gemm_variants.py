@@ -24,7 +24,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from kernels.fp8 import grouped_gemm as G
 from kernels.fp8 import blockwise as Q
 from kernels.fp8.grouped_gemm import _m_tile
-from kernels.moe.routing import sort_by_expert, tile_table
+from kernels.common.routing import sort_by_expert, tile_table
 
 
 @triton.jit

@@ -8,7 +8,7 @@
 Prints time, TFLOP/s (GEMMs, counting only routed rows) and GB/s (quantization: bytes read +
 written). The GEMM block sizes are grouped_gemm._block_sizes' defaults.
 Then :func:`time_moe_ops`: the whole ``mega_fp8`` op (forward, forward + backward), quantizing its
-weights per call and with them pre-quantized (the trainer's expert weight cache), next to the bf16
+weights per call and with them pre-quantized (the trainer's compute copies), next to the bf16
 ``mega`` op on the same inputs, with their ratios.
 """
 
@@ -23,7 +23,7 @@ from bench.timing import time_ms
 from kernels.moe import get_moe_backend
 from kernels.fp8 import grouped_gemm as G
 from kernels.fp8 import blockwise as Q
-from kernels.moe.routing import sort_by_expert, tile_table
+from kernels.common.routing import sort_by_expert, tile_table
 
 SHAPES = {"30B-A3B": (2048, 768), "235B-A22B": (4096, 1536)}
 
@@ -54,10 +54,9 @@ def main(T: int = 16384, top_k: int = 8, E: int = 128) -> None:
             rows.append(f"{name:10s} {label:34s} {ms:8.3f} ms {flops / ms / 1e9:8.0f} TFLOP/s")
 
         q("quantize_1x128 x (T,D)", lambda: Q.quantize_1x128(x), T * D * 3)
-        q("quantize_dual x (T,D)", lambda: Q.quantize_dual(x), T * D * 4)
         q("quantize_cols_grouped x gathered", lambda: Q.quantize_cols_grouped(x, offs, slots, top_k, tiles=tiles), N * D * 3)
         q("quantize_weight w1 (E,F,D)", lambda: Q.quantize_weight(w1), E * F * D * 3)
-        # The expert weight cache's refresh from float32 masters: one quantization pass per weight
+        # The compute copies' refresh from float32 masters: one quantization pass per weight
         # writing every layout, rounding to bf16 inside it (the trainer's), against a bf16 cast first.
         # GB/s: the bytes of the cast path.
         from kernels.moe.mega_fp8.weights import QuantizedExpertWeights
@@ -131,16 +130,16 @@ def time_moe_ops(T=16384, top_k=8, E=128, shapes=SHAPES, iters=20, device="cuda"
     """Median ms of the whole MoE op, forward and forward + backward: bf16 ``mega``, ``mega_fp8``
     quantizing its weights per call, and ``mega_fp8`` as the trainer runs it with the expert weight
     cache (``cached``: e4m3 copies made beforehand, bf16 gradient carriers without storage as the
-    weights, as ``components/compute_weights.py`` passes them with the Triton AdamW); the cached op
+    weights, as ``components/precision/copies.py`` passes them with the Triton AdamW); the cached op
     also with float32 master weights as the carriers (gradients written in float32: the trainer
-    without that optimizer), with ``wgrad = "bf16"`` and with every GEMM on the Triton engine (the
-    default ``auto`` takes the Gluon kernels on an sm_90 GPU). Each row's ratio is bf16 ``mega`` / it.
+    without that optimizer) and with every GEMM on the Triton engine (the default ``auto`` takes the
+    Gluon kernels on an sm_90 GPU). Each row's ratio is bf16 ``mega`` / it.
 
     ``timer(fn, iters)`` returns ms (default: CUDA events, :func:`bench.timing.time_ms`); the tests run
     this at a tiny size on CPU with a wall clock to exercise the code paths. ``breakdown``: labels of
     variants whose forward + backward is also profiled kernel by kernel (:func:`kernel_breakdown`).
     """
-    from kernels.moe.mega_fp8 import MegaFP8Options
+    from kernels.moe.mega_fp8 import MegaFP8Options, mega_moe_fp8
     from kernels.moe.mega_fp8.weights import QuantizedExpertWeights
 
     timer = timer or time_ms
@@ -148,7 +147,7 @@ def time_moe_ops(T=16384, top_k=8, E=128, shapes=SHAPES, iters=20, device="cuda"
     for name, (D, F) in shapes.items():
         x, ids, s, w1, w3, w2, dy = _moe_inputs(T, D, F, E, top_k, device)
         quantized = QuantizedExpertWeights.quantize(w1, w3, w2)
-        cached = functools.partial(get_moe_backend("mega_fp8"), quantized=quantized)
+        cached = functools.partial(mega_moe_fp8, quantized=quantized)
         master = (w1.float(), w3.float(), w2.float())
         carriers = tuple(torch.zeros((), device=device, dtype=torch.bfloat16).expand(w.shape) for w in (w1, w3, w2))
         # label -> (op, weights)
@@ -157,7 +156,6 @@ def time_moe_ops(T=16384, top_k=8, E=128, shapes=SHAPES, iters=20, device="cuda"
             "mega_fp8, weights quantized per call": (get_moe_backend("mega_fp8"), (w1, w3, w2)),
             "mega_fp8 cached": (cached, carriers),
             "  fp32 master weights": (cached, master),
-            "  + bf16 wgrad": (functools.partial(cached, options=MegaFP8Options(wgrad="bf16")), carriers),
             "  engine triton": (functools.partial(cached, options=MegaFP8Options(engine="triton")), carriers),
         }
         flops = 2 * T * top_k * D * F * 3  # forward: gate, up, down

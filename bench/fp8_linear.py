@@ -1,4 +1,4 @@
-"""The FP8 attention projections (``[quantize] linear = "fp8_rowwise"``, kernels/fp8/rowwise.py)
+"""The FP8 attention projections (``[precision] linear = "fp8_rowwise"``, kernels/fp8/rowwise.py)
 against bf16, compiled by inductor as the trainer runs them, forward + backward, at the
 Qwen3-30B-A3B projection shapes; each checked against float64 and timed.
 

@@ -7,9 +7,9 @@ Runs our trainer (``train.py`` with the head-to-head's settings, ``bench.compare
 precision setting, one after another, each in its own process:
 
 * ``bf16``: ``mega`` backend, bf16 (the reference curve);
-* ``mega_fp8``: ``mega`` with ``[quantize] moe = "fp8_blockwise"`` (our block-scaled FP8 kernels);
-* ``gmm_fp8``: ``grouped_mm`` with ``[quantize] moe = "fp8_rowwise"`` (TorchTitan's FP8 method);
-* ``mega_fp8_all``: ``mega_fp8`` plus ``[quantize] linear = "fp8_rowwise"`` (attention projections);
+* ``mega_fp8``: ``mega`` with ``[precision] moe = "fp8_blockwise"`` (our block-scaled FP8 kernels);
+* ``gmm_fp8``: ``grouped_mm`` with ``[precision] moe = "fp8_rowwise"`` (TorchTitan's FP8 method);
+* ``mega_fp8_all``: ``mega_fp8`` plus ``[precision] linear = "fp8_rowwise"`` (attention projections);
 * ``titan_bf16``: upstream TorchTitan 0.2.2's own trainer, bf16, from the TOML ``bench.compare`` writes
   (the same data, schedule and seed; needs torchtitan installed, else the run is listed as skipped).
 
@@ -51,7 +51,7 @@ RUNS = {
     "bf16": ("ours_mega", []),
     "mega_fp8": ("ours_mega_fp8", []),
     "gmm_fp8": ("ours_grouped_mm_fp8", []),
-    "mega_fp8_all": ("ours_mega_fp8", ["--quantize.linear", "fp8_rowwise"]),
+    "mega_fp8_all": ("ours_mega_fp8", ["--precision.linear", "fp8_rowwise"]),
     "titan_bf16": ("titan_bf16", []),
 }
 TOLERANCE = 0.01  # the loss within 1% of bf16 at the end

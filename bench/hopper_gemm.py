@@ -1,6 +1,7 @@
-"""The warp-specialized Gluon FP8 GEMM (kernels/fp8/hopper_gemm.py) against cuBLAS's block-scaled
-FP8 (`torch._scaled_mm` with 1 x 128 and 128 x 128 scales), on the GPU; its K-grouped (wgrad),
-M-grouped (down, dX, dA') and gate/up siblings against the plain-Triton kernels of the MoE op.
+"""The warp-specialized Gluon dense FP8 GEMM (bench/hopper_dense_gemm.py) against cuBLAS's
+block-scaled FP8 (`torch._scaled_mm` with 1 x 128 and 128 x 128 scales), on the GPU; its K-grouped
+(wgrad), M-grouped (down, dX, dA') and gate/up siblings (kernels/fp8/hopper_*.py) against the
+plain-Triton kernels of the MoE op.
 
     python -m bench.hopper_gemm [--shapes 8192x8192x8192,131072x1536x2048] [--iters 50]
     python -m bench.hopper_gemm --shapes '' --wgrad-shapes '' --grouped-shapes 2048x768,2048x1536,768x2048
@@ -20,8 +21,8 @@ import os
 
 import torch
 
+from bench.hopper_dense_gemm import fp8_gemm, fp8_gemm_ref
 from bench.timing import time_ms
-from kernels.fp8.hopper_gemm import fp8_gemm, fp8_gemm_ref
 
 E4M3 = torch.float8_e4m3fn
 
@@ -85,8 +86,7 @@ def scaled_mm(a_q, a_s, b_q, b_s):
 
 
 VARIANTS = {"st4_g8": dict(stages=4, group_m=8), "st5_g8": dict(stages=5, group_m=8),
-            "st4_g16": dict(stages=4, group_m=16), "st5_g16": dict(stages=5, group_m=16),
-            "st4_g8_unscaled": dict(stages=4, group_m=8, scaled=False)}
+            "st4_g16": dict(stages=4, group_m=16), "st5_g16": dict(stages=5, group_m=16)}
 
 
 WGRAD_VARIANTS = {"ws_st4_g8": dict(stages=4, group_m=8), "ws_st3_g8": dict(stages=3, group_m=8),
@@ -131,7 +131,7 @@ def time_grouped(shapes: str, iters: int, experts: int = 128, rows: int = 131072
     64 x 128 tiles) against the Gluon one; relative errors against a float64 reference."""
     from kernels.fp8.grouped_gemm import fp8_grouped_gemm, fp8_grouped_gemm_ref
     from kernels.fp8.hopper_grouped import fp8_grouped_gemm_ws
-    from kernels.moe.routing import tile_table
+    from kernels.common.routing import tile_table
 
     out = []
     for shape in shapes.split(","):
@@ -157,16 +157,16 @@ def time_grouped(shapes: str, iters: int, experts: int = 128, rows: int = 131072
 
 
 def time_gate_up(shapes: str, iters: int) -> list[dict]:
-    """The MoE op's gate/up step (``kernels/moe/mega_fp8/forward.gate_up``: x's quantization, the
+    """The MoE op's gate/up step (``kernels/fp8/engine.gate_up_swiglu``: x's quantization, the
     GEMM with w1 and w3, the SwiGLU + A-quantization epilogue; D x F per expert) on each engine, at
     two routings: 16,384 tokens x top-8 over 128 experts (one GPU), and one EP rank's receive buffer
     (262,144 rows with one slot each over 16 local experts, half of them empty). Also the Gluon
     kernel alone on rows already in expert order. The engines' H and A (bytes and scales) must be
     equal: they compute the same sums in the same order."""
     from kernels.fp8 import blockwise as Q
+    from kernels.fp8.engine import expert_order_rows, gate_up_swiglu
     from kernels.fp8.hopper_gate_up import fp8_gate_up_swiglu_ws
-    from kernels.moe.mega_fp8.forward import expert_order_rows, gate_up
-    from kernels.moe.routing import sort_by_expert, tile_table
+    from kernels.common.routing import sort_by_expert, tile_table
 
     out = []
     for shape in shapes.split(","):
@@ -181,14 +181,13 @@ def time_gate_up(shapes: str, iters: int) -> list[dict]:
             w3q, w3s = Q.quantize_weight((torch.randn(E, F, D, device="cuda") * 0.02).to(torch.bfloat16))
             tiles = tile_table(offs, T * K, 128)
             a_in, s_in = expert_order_rows(x, ids >= 0, slots, offs, False)
-            fns = {eng: (lambda eng=eng: gate_up(x, ids, w1q, w1s, w3q, w3s, slots, offs, False, eng, tiles))
+            fns = {eng: (lambda eng=eng: gate_up_swiglu(x, ids >= 0, w1q, w1s, w3q, w3s, slots, offs, engine=eng,
+                                                        pow2_scales=False, tiles=tiles, block_m=128))
                    for eng in ("triton", "gluon")}
             fns["gluon_kernel_only"] = lambda: fp8_gate_up_swiglu_ws(a_in, s_in, w1q, w1s, w3q, w3s, offs, tiles=tiles)
-            # Power-of-two A scales (the op runs without), and the epilogue in the store layout.
+            # Power-of-two A scales (the op runs without).
             fns["gluon_kernel_pow2"] = lambda: fp8_gate_up_swiglu_ws(a_in, s_in, w1q, w1s, w3q, w3s, offs, tiles=tiles,
                                                                      pow2_scales=True)
-            fns["gluon_kernel_store_epilogue"] = lambda: fp8_gate_up_swiglu_ws(
-                a_in, s_in, w1q, w1s, w3q, w3s, offs, tiles=tiles, mma_epilogue=False)
             n = int(offs[-1])
             got = [fns[eng]() for eng in ("triton", "gluon")]
             # (H, A_q, A_s) of each engine, compared bytewise on the rows the op reads.
@@ -229,7 +228,7 @@ def main() -> None:
             out = fp8_gemm(a_q, a_s.t().contiguous(), b_q, b_s, **VARIANTS[name])
             err = rel_err(out, ref)
             print(f"  {M}x{N}x{K} {name}: {err:.2e}", flush=True)
-            if not err < 1e-2 and VARIANTS[name].get("scaled", True):
+            if not err < 1e-2:
                 bad.append((M, N, K, name, err))
         if K % 128 == 0 and N % 128 == 0:
             print(f"  {M}x{N}x{K} torch._scaled_mm: {rel_err(scaled_mm(a_q, a_s, b_q, b_s), ref):.2e}")
@@ -272,10 +271,10 @@ def main() -> None:
             if not r["gluon_err"] < 1e-2:
                 bad.append((r["shape"], "gluon", r["gluon_err"]))
     if gurows:
-        print(f"\n{'gate/up TFLOP/s':<24}{'triton':>8}{'gluon':>8}{'kernel':>8}{'pow2':>8}{'st.epi':>8}{'equal':>7}")
+        print(f"\n{'gate/up TFLOP/s':<24}{'triton':>8}{'gluon':>8}{'kernel':>8}{'pow2':>8}{'equal':>7}")
         for r in gurows:
             print(f"{r['shape']:<24}{r['triton']:>8.0f}{r['gluon']:>8.0f}{r['gluon_kernel_only']:>8.0f}"
-                  f"{r['gluon_kernel_pow2']:>8.0f}{r['gluon_kernel_store_epilogue']:>8.0f}{str(r['equal']):>7}")
+                  f"{r['gluon_kernel_pow2']:>8.0f}{str(r['equal']):>7}")
             if not r["equal"]:
                 bad.append((r["shape"], "gate/up engines differ"))
     if wrows:

@@ -30,11 +30,12 @@ import traceback
 import torch
 
 from bench.timing import time_ms
+from kernels.common.routing import sort_by_expert, tile_table
+from kernels.common.tiles import TileConfig
 from kernels.moe import get_moe_backend
-from kernels.moe.mega import MegaMoEConfigs, TileConfig, get_configs, mega_moe, moe_backward, moe_forward
+from kernels.moe.mega import MegaMoEConfigs, get_configs, mega_moe, moe_backward, moe_forward
 from kernels.moe.mega import backward as mb
 from kernels.moe.mega import forward as mf
-from kernels.moe.routing import sort_by_expert, tile_table
 from kernels.moe.reference import moe_reference
 
 SHAPES = {

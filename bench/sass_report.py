@@ -154,12 +154,14 @@ def gemms() -> dict[str, Build]:
 
 
 def gluon() -> dict[str, Build]:
-    """The warp-specialized Gluon FP8 GEMMs (``kernels/fp8/hopper_*.py``) at their launch settings;
-    host tensors stand in for the TMA descriptors' bases."""
+    """The warp-specialized Gluon FP8 GEMMs (``kernels/fp8/hopper_*.py`` and the dense benchmark
+    kernel ``bench/hopper_dense_gemm.py``) at their launch settings; host tensors stand in for the
+    TMA descriptors' bases."""
     from triton.experimental.gluon import language as gl
 
+    from bench import hopper_dense_gemm as H
+    from kernels.fp8 import gluon_base as base
     from kernels.fp8 import hopper_gate_up as GU
-    from kernels.fp8 import hopper_gemm as H
     from kernels.fp8 import hopper_grouped as G
     from kernels.fp8 import hopper_wgrad as W
 
@@ -167,18 +169,17 @@ def gluon() -> dict[str, Build]:
 
     def descs(rows_a: int, rows_b: int, K: int, out_dtype: torch.dtype) -> dict:
         gl_out = gl.bfloat16 if out_dtype == torch.bfloat16 else gl.float32
-        return dict(a_desc=H._descriptor(torch.empty(rows_a, K, dtype=fp8), [128, 128], gl.float8e4nv),
-                    b_desc=H._descriptor(torch.empty(rows_b, K, dtype=fp8), [128, 128], gl.float8e4nv),
-                    c_desc=H._descriptor(torch.empty(rows_a, rows_b, dtype=out_dtype), [64, 128], gl_out))
+        return dict(a_desc=base.descriptor(torch.empty(rows_a, K, dtype=fp8), [128, 128], gl.float8e4nv),
+                    b_desc=base.descriptor(torch.empty(rows_b, K, dtype=fp8), [128, 128], gl.float8e4nv),
+                    c_desc=base.descriptor(torch.empty(rows_a, rows_b, dtype=out_dtype), [64, 128], gl_out))
 
     def build(fn, args, consts, divisible):
-        return Build(fn, args, consts, 4, gluon_divisible=divisible, maxnreg=H.MAXNREG)
+        return Build(fn, args, consts, 4, gluon_divisible=divisible, maxnreg=base.MAXNREG)
 
-    def gemm(stages: int, scaled: bool):
+    def gemm(stages: int):
         M = N = K = 1024
         args = dict(descs(M, N, K, torch.bfloat16), as_ptr=torch.empty(8, M), bs_ptr=torch.empty(8, 8), M=M, N=N, K=K)
-        return build(H._fp8_gemm_kernel, args, dict(STAGES=stages, GROUP_M=8, SCALED=scaled),
-                     ("as_ptr", "bs_ptr", "M", "N", "K"))
+        return build(H._fp8_gemm_kernel, args, dict(STAGES=stages, GROUP_M=8), ("as_ptr", "bs_ptr", "M", "N", "K"))
 
     def wgrad(stages: int, out_dtype: torch.dtype):
         M = NCOL = LD = 1024
@@ -198,24 +199,22 @@ def gluon() -> dict[str, Build]:
         return build(G._fp8_grouped_kernel, args, dict(STAGES=4, SCATTER=scatter, WEIGHTED=weighted, SA_K=1),
                      ("as_ptr", "bs_ptr", "slot_ptr", "w_ptr", "offsets_ptr", "table_ptr", "out_ptr", "N", "K", "LDO"))
 
-    def gate_up(mma_epilogue: bool):
+    def gate_up():
         NR, F, D, E = 4096, 1536, 4096, 8
-        desc = lambda rows: H._descriptor(torch.empty(rows, D, dtype=fp8), [128, 128], gl.float8e4nv)  # noqa: E731
+        desc = lambda rows: base.descriptor(torch.empty(rows, D, dtype=fp8), [128, 128], gl.float8e4nv)  # noqa: E731
         args = dict(a_desc=desc(NR), b1_desc=desc(E * F), b3_desc=desc(E * F), h_ptr=torch.empty(8, dtype=torch.bfloat16),
                     aq_ptr=torch.empty(8, dtype=fp8), as_out_ptr=torch.empty(8), as_ptr=torch.empty(8),
                     w1s_ptr=torch.empty(8), w3s_ptr=torch.empty(8), offsets_ptr=torch.empty(8, dtype=i32),
                     table_ptr=torch.empty(8, dtype=i32), num_tiles=40, NR=NR, F=F, K=D, SA_R=32, SA_K=1)
         # Power-of-two scales (POW2) change three integer ops of the epilogue: built at the op's setting.
-        return build(GU._fp8_gate_up_ws_kernel, args, dict(STAGES=GU.STAGES, POW2=False, MMA_EPILOGUE=mma_epilogue,
-                                                           SA_K=1),
+        return build(GU._fp8_gate_up_ws_kernel, args, dict(STAGES=GU.STAGES, POW2=False, SA_K=1),
                      ("h_ptr", "aq_ptr", "as_out_ptr", "as_ptr", "w1s_ptr", "w3s_ptr", "offsets_ptr", "table_ptr", "F",
                       "K", "SA_R"))
 
-    return {"gemm_st4": gemm(4, True), "gemm_st5": gemm(5, True), "gemm_st4_unscaled": gemm(4, False),
-            "wgrad_st4_fp32": wgrad(4, torch.float32), "wgrad_st4_bf16": wgrad(4, torch.bfloat16),
-            "grouped_down": grouped(torch.bfloat16, True, True), "grouped_dx": grouped(torch.bfloat16, True, False),
-            "grouped_da": grouped(torch.float32, False, False), "gate_up": gate_up(True),
-            "gate_up_store_epilogue": gate_up(False)}
+    return {"gemm_st4": gemm(4), "gemm_st5": gemm(5), "wgrad_st4_fp32": wgrad(4, torch.float32),
+            "wgrad_st4_bf16": wgrad(4, torch.bfloat16), "grouped_down": grouped(torch.bfloat16, True, True),
+            "grouped_dx": grouped(torch.bfloat16, True, False), "grouped_da": grouped(torch.float32, False, False),
+            "gate_up": gate_up()}
 
 
 FAMILIES = {"quantizers": quantizers, "gemms": gemms, "gluon": gluon}

@@ -24,7 +24,6 @@ a DCP checkpoint) gives the starting weights; the optimizer and schedule start f
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -32,9 +31,8 @@ import re
 import shutil
 import socket
 import sys
-import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -49,6 +47,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from components.config import Checkpoint as CheckpointConfig
 from components.config import ConfigError, JobConfig
+from components.dcp_utils import is_main, quiet_single_process_dcp
+from components.hf_checkpoint import HFCheckpointError, load_hf_weights
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 MANIFEST = "manifest.json"
@@ -58,10 +58,6 @@ CHECKPOINT_BYTES_PER_PARAM = 12
 
 class CheckpointError(RuntimeError):
     pass
-
-
-def _is_main() -> bool:
-    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
 def _world_size() -> int:
@@ -80,16 +76,6 @@ def _broadcast(obj: Any) -> Any:
     box = [obj]
     torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
-
-
-@contextlib.contextmanager
-def quiet_single_process_dcp():
-    """DCP warns at every save and load without a process group that it assumes one process: that
-    is what a single-process run means, so exactly that warning is dropped."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
-                                category=UserWarning)
-        yield
 
 
 def _one_line(e: BaseException) -> str:
@@ -168,7 +154,7 @@ def check_output_folders(cfg: JobConfig, n_params: int) -> None:
             raise ConfigError(problem if rank == 0 else f"rank {rank}: {problem}")
     elif problem is not None:
         raise ConfigError(problem)
-    if warning and _is_main():
+    if warning and is_main():
         print(warning, file=sys.stderr, flush=True)
 
 
@@ -221,8 +207,12 @@ def intact_steps(found: dict[int, Path]) -> list[int]:
 
 class CheckpointManager:
     def __init__(self, cfg: CheckpointConfig, dump_folder: str, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 lr_scheduler: Any, dataloader: Any, model_identity: dict[str, Any], run_steps: int | None = None):
+                 lr_scheduler: Any, dataloader: Any, model_identity: dict[str, Any], run_steps: int | None = None,
+                 on_load: Callable[[], None] | None = None):
+        """``on_load``: called after every load attempt, which may have written the weights in place
+        (the precision step's compute copies are then stale)."""
         self.cfg = cfg
+        self.on_load = on_load
         # [training] steps, saved with each checkpoint: a resumed run with other steps follows another lr curve.
         self.run_steps = run_steps
         self.resumed_run_steps: int | None = None  # that of the checkpoint loaded (None: older checkpoint, none)
@@ -252,7 +242,7 @@ class CheckpointManager:
         final = self.folder / f"step-{step}"
         tmp = self.folder / f"step-{step}.tmp"
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        if _is_main():
+        if is_main():
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
@@ -307,7 +297,7 @@ class CheckpointManager:
 
     def _finish(self, tmp: Path, final: Path) -> None:
         _barrier()
-        if _is_main():
+        if is_main():
             (tmp / "model.json").write_text(json.dumps(self.identity, indent=1, sort_keys=True))
             write_manifest(tmp)  # last: a folder with a manifest is whole
             if final.exists():
@@ -331,15 +321,12 @@ class CheckpointManager:
 
     def maybe_load(self) -> int:
         """Loads the checkpoint to resume from, if any; returns its step (0 when starting fresh, from
-        ``initial_load_path``'s weights if set). The compute copies of the weights are marked stale
-        after it (components/compute_weights.py: copies the optimizer wrote would otherwise count as
-        current)."""
-        from components.compute_weights import invalidate_compute_weights
-
+        ``initial_load_path``'s weights if set), then calls ``on_load``."""
         try:
             return self._maybe_load()
         finally:
-            invalidate_compute_weights(self.model)
+            if self.on_load is not None:
+                self.on_load()
 
     def _maybe_load(self) -> int:
         if not self.cfg.enable:
@@ -347,7 +334,7 @@ class CheckpointManager:
                 self.load_initial_weights()
             return 0
         # Rank 0 picks the checkpoint so that every rank loads the same one.
-        step, problem = _broadcast(self._choose() if _is_main() else None)
+        step, problem = _broadcast(self._choose() if is_main() else None)
         if problem is not None:
             raise CheckpointError(problem)
         if step is None:
@@ -379,7 +366,7 @@ class CheckpointManager:
             torch.set_rng_state(extra["rng"])
             if extra["cuda_rng"] is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(extra["cuda_rng"])
-        elif _is_main():
+        elif is_main():
             # DCP reshards the model and optimizer to the new layout; the per-rank data streams
             # cannot be, so the data order restarts.
             print(f"note: checkpoint {path} was saved by {extra['world_size']} ranks, this run has {_world_size()}: "
@@ -425,8 +412,6 @@ class CheckpointManager:
         """``[checkpoint] initial_load_path``: model weights to start from (a fresh run only)."""
         path = Path(self.cfg.initial_load_path)
         if self.cfg.initial_load_format == "hf":
-            from components.hf_checkpoint import HFCheckpointError, load_hf_weights
-
             try:
                 load_hf_weights(self.model, path)
             except HFCheckpointError as e:
@@ -447,33 +432,33 @@ class CheckpointManager:
         set_model_state_dict(self.model, state["model"])
 
     def _check_identity(self, path: Path) -> None:
-        try:
-            saved = json.loads((path / "model.json").read_text())
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"checkpoint {path}: model.json is unreadable ({_one_line(e)}); pick another "
-                                  f"checkpoint with --checkpoint.load_step") from None
-        if saved != self.identity:
-            raise CheckpointError(f"checkpoint {path} is of another model: {identity_mismatch(saved, self.identity)}; "
-                                  f"point [checkpoint] folder elsewhere or fix the [model] section")
+        check_identity(path, self.identity, "point [checkpoint] folder elsewhere or fix the [model] section")
 
 
-# The model.json key of a proxy run's checkpoints ([experimental] simulate_expert_parallel_degree).
-PROXY_KEY = "simulate_expert_parallel_degree"
+def model_identity(args: Any, flavor: str) -> dict[str, Any]:
+    """What ``model.json`` records of the model: its flavor and every model argument."""
+    return {"flavor": flavor, **dataclasses.asdict(args)}
 
 
-def model_identity(args: Any, flavor: str, simulated_ep_degree: int = 1) -> dict[str, Any]:
-    """What ``model.json`` records of the model. A proxy of one EP rank (parallelisms/ep_proxy.py)
-    holds E/P experts per layer, another model: its degree is recorded (and only then, so the
-    checkpoints of real runs keep their identity)."""
-    return {"flavor": flavor, **dataclasses.asdict(args), **({PROXY_KEY: simulated_ep_degree}
-                                                             if simulated_ep_degree > 1 else {})}
+# In the model.json of checkpoints written by a one-rank proxy of expert parallelism, a mode this
+# trainer no longer runs: they hold E/P experts per layer, a model no run here builds.
+RETIRED_PROXY_KEY = "simulate_expert_parallel_degree"
 
 
-def identity_mismatch(saved: dict[str, Any], configured: dict[str, Any]) -> str:
-    """The fields in which a checkpoint's ``model.json`` and the configured model differ, for a message."""
-    text = ", ".join(f"{k} saved {saved.get(k)!r} vs configured {configured.get(k)!r}"
-                     for k in sorted(set(saved) | set(configured)) if saved.get(k) != configured.get(k))
-    if saved.get(PROXY_KEY) != configured.get(PROXY_KEY):
-        text += (f" (a run with [experimental] {PROXY_KEY} = P holds only E/P experts per layer: its checkpoints "
-                 f"load only into a run with the same P, and a real model's only into a run without it)")
-    return text
+def check_identity(path: Path, configured: dict[str, Any], fix: str) -> None:
+    """Refuse the checkpoint in ``path`` unless its ``model.json`` describes the ``configured`` model
+    (:func:`model_identity`), before DCP reads anything; ``fix`` ends the message of another model's."""
+    try:
+        saved = json.loads((path / "model.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: model.json is unreadable ({_one_line(e)}); pick another "
+                              f"checkpoint") from None
+    if RETIRED_PROXY_KEY in saved:
+        p = saved[RETIRED_PROXY_KEY]
+        raise CheckpointError(f"checkpoint {path} was saved by a one-rank proxy of expert parallelism ([experimental] "
+                              f"{RETIRED_PROXY_KEY} = {p}, a mode this trainer no longer has): it holds 1/{p} of each "
+                              f"layer's experts, not a whole model, so no run can resume, load or export it")
+    if saved != configured:
+        diffs = ", ".join(f"{k} saved {saved.get(k)!r} vs configured {configured.get(k)!r}"
+                          for k in sorted(set(saved) | set(configured)) if saved.get(k) != configured.get(k))
+        raise CheckpointError(f"checkpoint {path} is of another model: {diffs}; {fix}")

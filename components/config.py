@@ -61,7 +61,6 @@ class Job:
 
 @dataclass
 class Model:
-    name: str = _field("qwen3_moe", "model family", choices=("qwen3_moe",))
     flavor: str = _field("debug", "size preset", choices=("debug", "qwen3_30b_a3b", "qwen3_235b_a22b"))
     n_layers: int = _field(0, "number of transformer blocks; 0 keeps the flavor's own", ge=0)
     rope_theta: float = _field(1e6, "RoPE base (Qwen3 base models: 1e6; the 235B -2507 release: 5e6)", gt=0)
@@ -81,12 +80,6 @@ class MoE:
                                "aux-loss-free bias (DeepSeek-V3); none", choices=("aux_loss", "expert_bias", "none"))
     aux_loss_coef: float = _field(0.001, "weight of the router auxiliary loss in the total loss", ge=0)
     bias_update_rate: float = _field(0.001, "expert_bias step size per optimizer step", ge=0)
-    cache_expert_weights: bool = _field(True, "convert the float32 expert weights to their compute form (bf16 copy, or "
-                                        "the e4m3 copies of [quantize] moe = fp8_blockwise) once per optimizer "
-                                        "step instead of on every call; costs one bf16-sized copy of this rank's "
-                                        "expert weights. Applies where the trainer casts them itself (one process "
-                                        "with bf16 autocast, or expert parallelism); FSDP-managed experts are cast "
-                                        "by FSDP's all-gather")
 
 
 @dataclass
@@ -119,18 +112,15 @@ class Training:
 
 @dataclass
 class Optimizer:
-    name: str = _field("AdamW", "optimizer", choices=("AdamW",))
     lr: float = _field(8e-4, "peak learning rate", gt=0)
     beta1: float = _field(0.9, "Adam beta1", ge=0, le=1)
     beta2: float = _field(0.95, "Adam beta2", ge=0, le=1)
     eps: float = _field(1e-8, "Adam epsilon", gt=0)
     weight_decay: float = _field(0.1, "decoupled weight decay (not applied to norms, biases or embeddings)", ge=0)
     implementation: str = _field("auto", "auto: fused on GPU, foreach on CPU; triton: one Triton pass per parameter "
-                                 "(kernels/adamw.py; plain or FSDP/EP-sharded parameters)", choices=("auto", "fused", "foreach", "for-loop", "triton"))
-    shadow_weights: bool = _field(True, "with implementation = \"triton\", one process, bf16 autocast and one "
-                                  "micro-batch per step: the optimizer writes bf16 copies of the linear and expert "
-                                  "weights that the model computes with and that carry bf16 gradients (no per-step "
-                                  "casts; components/compute_weights.py); ignored otherwise")
+                                 "(kernels/adamw.py; plain or FSDP/EP-sharded parameters; it writes the compute "
+                                 "copies, [precision] compute_copies)",
+                                 choices=("auto", "fused", "foreach", "for-loop", "triton"))
 
 
 @dataclass
@@ -147,9 +137,6 @@ class Parallelism:
     data_parallel_replicate_degree: int = _field(1, "DDP-style replicas (HSDP outer dim)", ge=1)
     data_parallel_shard_degree: int = _field(-1, "FSDP shards; -1 = all remaining ranks", ge=-1)
     expert_parallel_degree: int = _field(1, "ranks that split the experts of a layer", ge=1)
-    tensor_parallel_degree: int = _field(1, "tensor parallel (not implemented: must be 1)", ge=1)
-    context_parallel_degree: int = _field(1, "context parallel (not implemented: must be 1)", ge=1)
-    pipeline_parallel_degree: int = _field(1, "pipeline parallel (not implemented: must be 1)", ge=1)
     fsdp_reshard_after_forward: str = _field("default", "FSDP2: free gathered parameters after forward (always), "
                                              "keep them for backward (never), or always except the last "
                                              "block's (default)", choices=("default", "always", "never"))
@@ -199,7 +186,9 @@ class Compile:
 
 
 @dataclass
-class Quantize:
+class Precision:
+    """What the model computes in, beside ``[training] mixed_precision_param`` (components/precision)."""
+
     moe: str = _field("none", "expert GEMM precision: fp8_blockwise (DeepSeek-V3 style block scales; backend "
                       "mega) or fp8_rowwise (TorchTitan's rowwise scaled grouped GEMM; backend grouped_mm)",
                       choices=("none", "fp8_blockwise", "fp8_rowwise"))
@@ -209,6 +198,14 @@ class Quantize:
     linear: str = _field("none", "dense linear precision: fp8_rowwise runs the attention projections' three GEMMs "
                          "in rowwise-scaled e4m3 (torch._scaled_mm); embedding, norms, router, output head stay "
                          "bf16", choices=("none", "fp8_rowwise"))
+    compute_copies: bool = _field(True, "compute with copies of the float32 weights in their compute form (bf16, "
+                                  "or the e4m3 copies of moe = fp8_blockwise) made once per optimizer step instead "
+                                  "of a cast on every call, where the trainer would cast them itself (the experts in "
+                                  "one process under bf16, or under expert parallelism; FSDP's all-gather casts the "
+                                  "rest); costs one bf16-sized copy of those weights. With [optimizer] "
+                                  "implementation = \"triton\", one process and one micro-batch per step, the "
+                                  "optimizer writes the copies in its pass, the dense linears get them too, and "
+                                  "they carry the bf16 gradients (docs/fp8.md, components/precision/copies.py)")
 
 
 @dataclass
@@ -264,17 +261,25 @@ class Experimental:
                                          "compiled with inductor, the trainer adds its own comm reordering pass (all "
                                          "dispatches issued first, each combine under the next chunk's experts: "
                                          "parallelisms/compile.py). Unmeasured on multi-GPU yet", ge=1)
-    simulate_expert_parallel_degree: int = _field(1, "P > 1: one process runs the compute of one rank of an "
-                                                  "expert-parallel job of degree P: the router scores all E experts, "
-                                                  "each layer holds E/P experts, and a slot routed to expert e runs "
-                                                  "on local expert e mod (E/P). Times exclude the all-to-all and "
-                                                  "FSDP collectives; checkpoints load only into a proxy of the same "
-                                                  "P (parallelisms/ep_proxy.py, docs/expert_parallel.md). 1 = off",
-                                                  ge=1)
 
 
 # Keys that moved to another section: (old section, key) -> new section, for a clear error.
 MOVED_KEYS = {("parallelism", "expert_parallel_chunks"): "experimental"}
+# Sections whose keys all moved: old section -> new section.
+MOVED_SECTIONS = {"quantize": "precision"}
+# Keys that are gone: (section, key) -> what to do instead.
+RETIRED_KEYS = {
+    ("moe", "cache_expert_weights"): "the compute copies are switched by [precision] compute_copies",
+    ("optimizer", "shadow_weights"): "the compute copies are switched by [precision] compute_copies",
+    ("model", "name"): "the model family is always Qwen3-MoE; delete the key ([model] flavor picks the size)",
+    ("optimizer", "name"): "the optimizer is always AdamW; delete the key ([optimizer] implementation picks the kernel)",
+    ("parallelism", "tensor_parallel_degree"): "tensor parallelism is not implemented; delete the key",
+    ("parallelism", "context_parallel_degree"): "context parallelism is not implemented; delete the key",
+    ("parallelism", "pipeline_parallel_degree"): "pipeline parallelism is not implemented; delete the key",
+    ("experimental", "simulate_expert_parallel_degree"): "the one-process expert-parallel proxy was retired; "
+                                                          "[parallelism] simulate_world_size runs one rank of an "
+                                                          "N-rank job (docs/expert_parallel.md)",
+}
 
 
 def _unknown_key(where: str, section: str, key: str, fields) -> ConfigError:
@@ -282,7 +287,17 @@ def _unknown_key(where: str, section: str, key: str, fields) -> ConfigError:
         new = MOVED_KEYS[section, key]
         return ConfigError(f"{where}: [{section}] {key} moved to [{new}]: write it as [{new}] {key} "
                            f"(--{new}.{key} on the command line)")
+    if (section, key) in RETIRED_KEYS:
+        return ConfigError(f"{where}: [{section}] {key} is no longer a setting: {RETIRED_KEYS[section, key]}")
     return ConfigError(f"{where}: unknown key {key!r} in [{section}]; allowed keys: {', '.join(fields)}")
+
+
+def _unknown_section(where: str, section: str) -> ConfigError:
+    if section in MOVED_SECTIONS:
+        new = MOVED_SECTIONS[section]
+        return ConfigError(f"{where}: section [{section}] was renamed [{new}]: write its keys under [{new}] "
+                           f"(--{new}.<key> on the command line)")
+    return ConfigError(f"{where}: unknown section [{section}]; allowed sections: {', '.join(_sections())}")
 
 
 @dataclass
@@ -296,7 +311,7 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
-    quantize: Quantize = field(default_factory=Quantize)
+    precision: Precision = field(default_factory=Precision)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
@@ -351,7 +366,7 @@ def _apply_section(cfg: JobConfig, where: str, section: str, values: dict[str, A
                    sources: dict[tuple[str, str], str]) -> None:
     sections = _sections()
     if section not in sections:
-        raise ConfigError(f"{where}: unknown section [{section}]; allowed sections: {', '.join(sections)}")
+        raise _unknown_section(where, section)
     obj = getattr(cfg, section)
     fields = _section_fields(type(obj))
     for key, value in values.items():
@@ -392,6 +407,8 @@ def _parse_overrides(args: list[str]) -> list[tuple[str, str, Any]]:
         flag, eq, inline = arg[2:].partition("=")
         section, _, key = flag.partition(".")
         if section not in sections:
+            if section in MOVED_SECTIONS:
+                raise _unknown_section(CLI, section)
             raise ConfigError(f"command line: unknown section in {arg!r}; allowed sections: {', '.join(sections)}")
         section_cls = sections[section].default_factory
         fields = _section_fields(section_cls)

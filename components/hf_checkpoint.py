@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from components.checkpoint import quiet_single_process_dcp
+from components.dcp_utils import is_main, quiet_single_process_dcp
 from models.qwen3.args import Qwen3MoEArgs
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -324,10 +324,6 @@ def read_hf_shapes(folder: str | Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _is_main() -> bool:
-    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-
-
 def _expert_views(t: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
     """(expert j, destination) for each expert of the stacked expert weight ``t`` (E, X, Y) that
     this rank holds rows of: views of the local shard, as DTensors of the global (X, Y) where the
@@ -388,7 +384,7 @@ def _load_through_rank0(model: nn.Module, folder: Path, args: Qwen3MoEArgs) -> N
     distributed = torch.distributed.is_initialized()
     full: dict[str, torch.Tensor] = {}
     error = None
-    if _is_main():
+    if is_main():
         try:
             full = _read_full_state(model, folder, args)
         except HFCheckpointError as e:
@@ -473,7 +469,7 @@ def save_hf_weights(model: nn.Module, folder: str | Path, dtype: torch.dtype = t
     file_of, n = _file_indices(nbytes, max_shard_bytes)
     distributed = torch.distributed.is_initialized()
     staging = folder / "sharded"
-    if _is_main():
+    if is_main():
         folder.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)  # an interrupted export's shards would be assembled too
     if not distributed:
@@ -484,9 +480,9 @@ def save_hf_weights(model: nn.Module, folder: str | Path, dtype: torch.dtype = t
         dcp.save(sources, storage_writer=HuggingFaceStorageWriter(str(staging), fqn_to_index_mapping=file_of,
                                                                   save_distributed=True))
         consolidate_safetensors_files_on_every_rank(str(staging), str(folder), file_of)  # ends in a barrier
-        if _is_main():
+        if is_main():
             shutil.rmtree(staging)
-    if not _is_main():
+    if not is_main():
         return []
     (folder / "config.json").write_text(json.dumps(args_to_hf_config(model.args, dtype), indent=2))
     return [folder / f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]

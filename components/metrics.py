@@ -83,9 +83,6 @@ class MetricsLogger:
     # Simulated world: seconds of each step's loopback copies on the compute stream (the stand-ins for
     # its collectives), left out of the compute-only figures.
     loopback_times: dict[int, float] = field(default_factory=dict)
-    # What the run stands in for when it is a proxy (e.g. "one rank of expert parallelism 8"): the
-    # summary says so, since its times leave out that layout's communication.
-    proxy: str = ""
     # With expert parallelism TensorBoard gets the slots its capacity dropped at every logged step (0 too).
     expert_parallel: bool = False
 
@@ -172,7 +169,7 @@ class MetricsLogger:
         return (f"summary: steps {lo}-{hi} (of {ran[0]}-{ran[-1]}{'; ' + note if note else ''}): mean tokens/s "
                 f"per device {mean_tps:,.0f}  mean step time {mean_dt:.3f}s  tflops {tflops:.2f}  mfu {mfu}  "
                 f"peak memory {peak_memory_gib(self.device):.2f}GiB  final loss {loss:.4f} (step {step})"
-                f"{self._run_drops()}{'  proxy: ' + self.proxy if self.proxy else ''}{self._simulated(window_steps)}\n"
+                f"{self._run_drops()}{self._simulated(window_steps)}\n"
                 f"outputs: {'; '.join(outputs) or 'none'}")
 
     def _run_drops(self) -> str:

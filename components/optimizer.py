@@ -31,7 +31,7 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device_type: str) ->
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if impl == "triton":
         from kernels.adamw import TritonAdamW
-        from kernels.triton_utils import interpreting
+        from kernels.common.triton_utils import interpreting
 
         if device_type != "cuda" and not interpreting():
             raise ConfigError(f"[optimizer] implementation = \"triton\" runs on a CUDA GPU (the device is "

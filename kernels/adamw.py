@@ -19,15 +19,14 @@ The math is torch's AdamW (decoupled weight decay, bias-corrected moments), in f
 Results match torch's implementations to float32 rounding (they differ from each other in the
 same way: fused, foreach and for-loop order these operations differently).
 
-Shadows: :meth:`TritonAdamW.attach_shadow` gives a parameter a low-precision copy (a bf16
-compute copy, ``components/compute_weights.py``) that the same pass writes from the updated
-value: 2 bytes more per such parameter instead of a separate refresh pass reading the float32
+Compute copies: :meth:`TritonAdamW.attach_copy` gives a parameter a bf16 compute copy
+(``components/precision/copies.py``) that the same pass writes from the updated value: 2 bytes more per such parameter instead of a separate refresh pass reading the float32
 parameter again (4 + 2 bytes). The copy is the round-to-nearest cast ``p.to(bfloat16)`` makes.
 
 Scope: float32 parameters and moments, float32 or bf16 gradients, contiguous; plain tensors or
 DTensors (FSDP2 and expert-parallel shards: the update is elementwise, so each rank updates its
 local shard; the moments are DTensors like the parameters, as torch's AdamW keeps them, so
-distributed checkpoints hold the same state). Shadows are for plain tensors (one process).
+distributed checkpoints hold the same state). Compute copies are for plain tensors (one process).
 """
 
 from __future__ import annotations
@@ -38,15 +37,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_utils import interpreting
+from kernels.common.triton_utils import interpreting
 
 BLOCK = 4096  # elements per program: 16 per thread at 8 warps, four 16-byte accesses per tensor
 INTERPRETER_BLOCK = 1 << 16
 
 
 @triton.jit
-def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, shadow_ptr, n, lr, wd, beta1, beta2, eps, step_size,
-                  bc2_sqrt, HAS_SCALE: tl.constexpr, HAS_SHADOW: tl.constexpr, BLOCK: tl.constexpr):
+def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, copy_ptr, n, lr, wd, beta1, beta2, eps, step_size,
+                  bc2_sqrt, HAS_SCALE: tl.constexpr, HAS_COPY: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     p = tl.load(p_ptr + offs, mask=mask)
@@ -62,23 +61,23 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, shadow_ptr, n, lr, wd, 
     tl.store(p_ptr + offs, p, mask=mask)
     tl.store(m_ptr + offs, m, mask=mask)
     tl.store(v_ptr + offs, v, mask=mask)
-    if HAS_SHADOW:
+    if HAS_COPY:
         # bf16 round-to-nearest-even on the bits (the interpreter's cast truncates; the GPU's rounds
         # like this): add half an ulp of bf16, plus one if the kept lowest bit is odd; NaN stays NaN.
         bits = p.to(tl.uint32, bitcast=True)
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
         rounded = tl.where(p != p, 0x7FC0, rounded)
-        tl.store(shadow_ptr + offs, rounded.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+        tl.store(copy_ptr + offs, rounded.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
 
 
 def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                 lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
-                grad_scale: torch.Tensor | None = None, shadow: torch.Tensor | None = None) -> None:
+                grad_scale: torch.Tensor | None = None, copy: torch.Tensor | None = None) -> None:
     """One AdamW update of ``param`` and its moments, in place; ``step`` counts from 1.
 
     ``grad_scale``: optional one-element float32 tensor on the parameter's device; the gradient is
     divided by it (torch's ``grad_scale`` convention; the trainer passes the clipping divisor).
-    ``shadow``: optional bf16 tensor of the parameter's shape, contiguous, overwritten with the
+    ``copy``: optional bf16 tensor of the parameter's shape, contiguous, overwritten with the
     updated parameter cast to bf16 (see the module docstring).
     """
     if step < 1:
@@ -95,11 +94,11 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     if not param.is_cuda and not interpreting():
         raise RuntimeError("adamw_step_ runs on a CUDA GPU (or on CPU under TRITON_INTERPRET=1); use "
                            "[optimizer] implementation = \"foreach\" on CPU")
-    if shadow is not None and (shadow.dtype != torch.bfloat16 or shadow.shape != param.shape
-                               or not shadow.is_contiguous() or shadow.device != param.device):
-        raise ValueError(f"adamw_step_: the shadow must be a contiguous bf16 tensor of the parameter's shape "
-                         f"{tuple(param.shape)} on its device; got {shadow.dtype} {tuple(shadow.shape)} on "
-                         f"{shadow.device}, contiguous={shadow.is_contiguous()}")
+    if copy is not None and (copy.dtype != torch.bfloat16 or copy.shape != param.shape
+                             or not copy.is_contiguous() or copy.device != param.device):
+        raise ValueError(f"adamw_step_: the copy must be a contiguous bf16 tensor of the parameter's shape "
+                         f"{tuple(param.shape)} on its device; got {copy.dtype} {tuple(copy.shape)} on "
+                         f"{copy.device}, contiguous={copy.is_contiguous()}")
     if grad_scale is not None and (grad_scale.numel() != 1 or grad_scale.dtype != torch.float32):
         raise ValueError(f"adamw_step_: grad_scale must be one float32 value, got {grad_scale.dtype} "
                          f"{tuple(grad_scale.shape)}")
@@ -112,8 +111,8 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     block = INTERPRETER_BLOCK if interpreting() else BLOCK
     _adamw_kernel[(triton.cdiv(n, block),)](
         param, grad, exp_avg, exp_avg_sq, grad_scale if grad_scale is not None else param,
-        shadow.view(torch.int16) if shadow is not None else param, n, lr, weight_decay, beta1, beta2, eps, lr / bias_correction1,
-        bc2_sqrt, HAS_SCALE=grad_scale is not None, HAS_SHADOW=shadow is not None, BLOCK=block, num_warps=8,
+        copy.view(torch.int16) if copy is not None else param, n, lr, weight_decay, beta1, beta2, eps, lr / bias_correction1,
+        bc2_sqrt, HAS_SCALE=grad_scale is not None, HAS_COPY=copy is not None, BLOCK=block, num_warps=8,
     )
 
 
@@ -143,31 +142,31 @@ class TritonAdamW(torch.optim.AdamW):
                 if p.dtype != torch.float32 or not local.is_contiguous():
                     raise TypeError(f"TritonAdamW needs contiguous float32 parameters (local shards), got {p.dtype} "
                                     f"{tuple(local.shape)} contiguous={local.is_contiguous()}")
-        self._shadows: dict[int, torch.Tensor] = {}  # id(parameter) -> its bf16 shadow
+        self._copies: dict[int, torch.Tensor] = {}  # id(parameter) -> its bf16 compute copy
         self._carriers: dict[int, torch.Tensor] = {}  # id(parameter) -> the tensor whose .grad is its gradient
 
     def _check_updates(self, who: str, param: torch.Tensor) -> None:
         if not any(param is q for g in self.param_groups for q in g["params"]):
             raise ValueError(f"{who}: the parameter {tuple(param.shape)} is not one this optimizer updates")
 
-    def attach_shadow(self, param: torch.Tensor, shadow: torch.Tensor, grad_from_shadow: bool = False) -> None:
-        """Have every step also write ``param.to(bfloat16)`` into ``shadow`` (contiguous bf16, the
+    def attach_copy(self, param: torch.Tensor, copy: torch.Tensor, grad_from_copy: bool = False) -> None:
+        """Have every step also write ``param.to(bfloat16)`` into ``copy`` (contiguous bf16, the
         parameter's shape and device). A step that skips the parameter (no gradient) leaves both as
-        they were, so the shadow stays the parameter's cast. ``grad_from_shadow``: the parameter's
-        gradient is ``shadow.grad`` (bf16; the model computed with the shadow as a leaf), which
+        they were, so the copy stays the parameter's cast. ``grad_from_copy``: the parameter's
+        gradient is ``copy.grad`` (bf16; the model computed with the copy as a leaf), which
         :meth:`zero_grad` clears with the parameters' gradients."""
-        self._check_updates("attach_shadow", param)
+        self._check_updates("attach_copy", param)
         if type(param.data) is not torch.Tensor:
-            raise TypeError(f"attach_shadow: shadows are for plain tensors (one process); got a "
+            raise TypeError(f"attach_copy: compute copies are for plain tensors (one process); got a "
                             f"{type(param.data).__name__} parameter")
-        if shadow.dtype != torch.bfloat16 or shadow.shape != param.shape or not shadow.is_contiguous() \
-                or shadow.device != param.device:
-            raise ValueError(f"attach_shadow: the shadow must be a contiguous bf16 tensor of shape "
-                             f"{tuple(param.shape)} on {param.device}; got {shadow.dtype} {tuple(shadow.shape)} "
-                             f"on {shadow.device}")
-        self._shadows[id(param)] = shadow
-        if grad_from_shadow:
-            self._carriers[id(param)] = shadow
+        if copy.dtype != torch.bfloat16 or copy.shape != param.shape or not copy.is_contiguous() \
+                or copy.device != param.device:
+            raise ValueError(f"attach_copy: the copy must be a contiguous bf16 tensor of shape "
+                             f"{tuple(param.shape)} on {param.device}; got {copy.dtype} {tuple(copy.shape)} "
+                             f"on {copy.device}")
+        self._copies[id(param)] = copy
+        if grad_from_copy:
+            self._carriers[id(param)] = copy
 
     def attach_grad_carrier(self, param: torch.Tensor, carrier: torch.Tensor) -> None:
         """The parameter's gradient is ``carrier.grad``: the model computed with ``carrier`` (a leaf
@@ -232,5 +231,5 @@ class TritonAdamW(torch.optim.AdamW):
             adamw_step_(_local(p), _local(grad).contiguous(), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
                         lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                         weight_decay=group["weight_decay"], step=int(state["step"].item()), grad_scale=grad_scale,
-                        shadow=self._shadows.get(id(p)))
+                        copy=self._copies.get(id(p)))
         return loss

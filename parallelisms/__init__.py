@@ -1,5 +1,5 @@
 """How a model is spread over devices, applied in a fixed order to the meta-device model:
-expert parallelism (or its one-process proxy, ``ep_proxy.py``), compile, activation checkpointing, FSDP2.
+expert parallelism, compile, activation checkpointing, FSDP2.
 
 Compile comes before (inside) activation checkpointing, unlike TorchTitan: with the expert weights
 as DTensors, AOT autograd cannot trace a checkpointed region that takes them as inputs, while a
@@ -23,10 +23,6 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: JobConfig, dist
         dtype = torch.bfloat16 if cfg.training.mixed_precision_param == "bfloat16" else torch.float32
         apply_ep(model, dims.mesh, cfg.parallelism.expert_capacity_factor, dtype,
                  cfg.experimental.expert_parallel_chunks)
-    elif cfg.experimental.simulate_expert_parallel_degree > 1:
-        from parallelisms.ep_proxy import apply_ep_proxy
-
-        apply_ep_proxy(model, cfg.experimental.simulate_expert_parallel_degree)
     # Chunked EP's all-to-alls only overlap in a compiled block with inductor's comm reordering on.
     apply_compile(model, cfg.compile, comm_reordering=dims.ep_enabled and cfg.experimental.expert_parallel_chunks > 1)
     apply_ac(model, cfg.activation_checkpoint)

@@ -29,7 +29,7 @@ by all-to-all, autograd-correct, with no device-to-host sync (docs/expert_parall
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -37,7 +37,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
-from kernels.moe import routed_rows_only
+from kernels.moe import BackendArgs, MoEBackend
 
 
 def static_capacity(num_tokens: int, top_k: int, ep: int, num_local_experts: int, capacity_factor: float) -> int:
@@ -171,6 +171,10 @@ def _slot_outputs(y_RD: torch.Tensor, slot_row_TK: torch.Tensor) -> torch.Tensor
 
 
 class ExpertParallel:
+    """The experts' dispatch (``models/moe/moe.py``, ``ExpertDispatch``) under expert parallelism:
+    weights cast from this rank's shard and gathered over the ranks that share its experts, tokens
+    carried to the ranks owning their experts and back (the module docstring)."""
+
     def __init__(self, mesh: DeviceMesh, num_experts: int, capacity_factor: float, param_dtype: torch.dtype,
                  chunks: int = 1):
         self.ep_mesh = mesh["ep"]
@@ -182,20 +186,16 @@ class ExpertParallel:
         self.param_dtype = param_dtype
         self.chunks = chunks
 
-    def gather_weight(self, w: torch.Tensor) -> torch.Tensor:
-        """This rank's experts, whole: (E/ep, ...) in the compute dtype, from the sharded parameter."""
-        return self.gather_shards(w.to_local().to(self.param_dtype))
+    def cast(self, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's shards of the sharded parameters in the compute dtype (no compute copies)."""
+        return tuple(w.to_local().to(self.param_dtype) for w in weights)
 
-    def gather_shards(self, local: torch.Tensor) -> torch.Tensor:
-        """This rank's experts whole from its shard of them (identity without expert-FSDP sharding)."""
+    def gather(self, *local: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's experts whole, (E/ep, ...), from its shards of them (identity without
+        expert-FSDP sharding)."""
         if self.shard_mesh.size() > 1:
-            local = funcol.all_gather_tensor_autograd(local, 1, self.shard_mesh)
+            return tuple(funcol.all_gather_tensor_autograd(w, 1, self.shard_mesh) for w in local)
         return local
-
-    @property
-    def experts_whole(self) -> bool:
-        """Whether this rank holds its experts' weights whole (no expert-FSDP sharding)."""
-        return self.shard_mesh.size() == 1
 
     def capacity(self, num_tokens: int, top_k: int) -> int:
         return static_capacity(num_tokens, top_k, self.ep, self.num_local_experts, self.capacity_factor)
@@ -206,13 +206,13 @@ class ExpertParallel:
         n = max(1, min(self.chunks, num_tokens))
         return [num_tokens // n + (i < num_tokens % n) for i in range(n)]
 
-    def __call__(self, backend, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
-                 w1_local: torch.Tensor, w3_local: torch.Tensor, w2_local: torch.Tensor
+    def __call__(self, backend: MoEBackend, args: BackendArgs, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor,
+                 topk_weights_TK: torch.Tensor, w1_local: torch.Tensor, w3_local: torch.Tensor, w2_local: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (y_TD, dropped_E): the combined output and the slots per expert that did not fit."""
-        empty_undefined = routed_rows_only(backend)
+        empty_undefined = backend.routed_rows_only
         if empty_undefined:
-            backend = functools.partial(backend, write_empty_rows=False)
+            args = dataclasses.replace(args, write_empty_rows=False)
         sizes = self.chunk_sizes(x_TD.shape[0])
         if len(sizes) == 1:  # no split views: P = 1 runs exactly the unchunked graph
             chunks = [(x_TD, topk_ids_TK, topk_weights_TK)]
@@ -227,7 +227,7 @@ class ExpertParallel:
         backs = []
         for recv_x, recv_expert, _ in sent:
             ones = torch.ones(recv_x.shape[0], 1, dtype=torch.float32, device=x_TD.device)
-            y_recv = backend(recv_x, recv_expert.view(-1, 1), ones, w1_local, w3_local, w2_local)
+            y_recv = backend(recv_x, recv_expert.view(-1, 1), ones, w1_local, w3_local, w2_local, args)
             backs.append(funcol.all_to_all_single_autograd(y_recv, None, None, self.ep_mesh))
         outs = [self._combine(y_back, layout, weights, x_TD.dtype, empty_undefined)
                 for y_back, (_, _, layout), (_, _, weights) in zip(backs, sent, chunks)]
@@ -308,11 +308,11 @@ def apply_ep(model: torch.nn.Module, mesh: DeviceMesh, capacity_factor: float, p
                                  f"{shard} ranks that shard each expert group (dp_shard / ep)")
             dtensor = distribute_tensor(param, mesh, [Replicate(), Shard(1), Shard(0)])
             experts.register_parameter(name, torch.nn.Parameter(dtensor))
-        experts.expert_parallel = ExpertParallel(mesh, experts.num_experts, capacity_factor, param_dtype, chunks)
+        experts.parallelize(ExpertParallel(mesh, experts.num_experts, capacity_factor, param_dtype, chunks))
 
 
 def expert_params(model: torch.nn.Module) -> set[torch.nn.Parameter]:
-    return {p for block in model.layers.values() if block.moe.experts.expert_parallel is not None
+    return {p for block in model.layers.values() if isinstance(block.moe.experts.dispatch, ExpertParallel)
             for p in block.moe.experts.parameters()}
 
 

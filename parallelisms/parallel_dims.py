@@ -65,9 +65,6 @@ class ParallelDims:
 
 def build_parallel_dims(cfg: Parallelism, world_size: int, num_experts: int, device_type: str = "cpu") -> ParallelDims:
     """Resolve -1 degrees and refuse combinations that cannot work, naming the numbers that conflict."""
-    for key in ("tensor_parallel_degree", "context_parallel_degree", "pipeline_parallel_degree"):
-        if getattr(cfg, key) > 1:
-            raise ConfigError(f"[parallelism] {key} = {getattr(cfg, key)}: not implemented; set it to 1")
     replicate, dp_shard, ep = cfg.data_parallel_replicate_degree, cfg.data_parallel_shard_degree, cfg.expert_parallel_degree
     simulated = " ([parallelism] simulate_world_size)" if cfg.simulate_world_size > 1 else ""
     if dp_shard == -1:

@@ -93,7 +93,7 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, foreach: bool, 
     for key, group in groups.items():
         grads = [p.grad for p in group]
         if isinstance(key, torch.dtype) and key != torch.float32:
-            # bf16 gradients (the expert weight cache's gradient carriers, components/compute_weights.py):
+            # bf16 gradients (compute copies that carry the gradients, components/precision/copies.py):
             # each norm accumulated and returned in float32, as for float32 copies of them.
             per = (torch._foreach_norm(grads, 2.0, dtype=torch.float32) if foreach
                    else [torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) for g in grads])

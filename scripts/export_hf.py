@@ -22,7 +22,6 @@ transformers.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -37,8 +36,9 @@ if str(ROOT) not in sys.path:
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict  # noqa: E402
 
-from components.checkpoint import PROXY_KEY, identity_mismatch, model_identity, quiet_single_process_dcp  # noqa: E402
+from components.checkpoint import CheckpointError, check_identity, model_identity  # noqa: E402
 from components.config import ConfigError, parse_args  # noqa: E402
+from components.dcp_utils import quiet_single_process_dcp  # noqa: E402
 from components.hf_checkpoint import INDEX_FILE, HFCheckpointError, save_hf_weights  # noqa: E402
 from models.qwen3.args import get_model_args  # noqa: E402
 from models.qwen3.model import Qwen3MoE  # noqa: E402
@@ -75,16 +75,8 @@ def export(checkpoint: str | Path, out: str | Path, config_args: list[str], dtyp
     checkpoint, out = Path(checkpoint), Path(out)
     if not (checkpoint / ".metadata").is_file():
         raise ExportError(f"{checkpoint} is not a DCP checkpoint folder (no .metadata); pass a step-<N> folder")
-    identity = model_identity(args, m.flavor)
     if (checkpoint / "model.json").is_file():
-        saved = json.loads((checkpoint / "model.json").read_text())
-        if PROXY_KEY in saved:
-            raise ExportError(f"{checkpoint} was saved by a one-rank proxy of expert parallelism ([experimental] "
-                              f"{PROXY_KEY} = {saved[PROXY_KEY]}): it holds E/P experts per layer, not a whole "
-                              f"model, and cannot be exported")
-        if saved != identity:
-            raise ExportError(f"{checkpoint} is of another model: {identity_mismatch(saved, identity)}; pass the "
-                              f"config it was trained with")
+        check_identity(checkpoint, model_identity(args, m.flavor), "pass the config it was trained with")
     _check_out(out, overwrite)
     world = init_distributed("cpu")
     distributed = torch.distributed.is_initialized()
@@ -120,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     try:
         paths = export(args.checkpoint, args.out, rest, DTYPES[args.dtype], overwrite=args.overwrite)
-    except (ExportError, ConfigError, HFCheckpointError) as e:
+    except (ExportError, CheckpointError, ConfigError, HFCheckpointError) as e:
         # Under torchrun every rank finds the same problem; rank 0 alone says it.
         raise SystemExit(f"error: {e}" if os.environ.get("RANK", "0") == "0" else 1) from None
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:

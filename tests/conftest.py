@@ -7,7 +7,9 @@
 - ``gpu``: needs CUDA; skipped without it (the GPU machine runs ``pytest -m gpu``).
 
 Every test gets exactly one of the first three: a tier marker on the test itself wins, else its
-module's tier from ``MODULE_TIERS`` below (so modules need no marker of their own). ``gpu`` is added
+module's tier from ``MODULE_TIERS`` below (so modules need no marker of their own); a test with
+neither stops the collection with an error naming its module, so a new file is given a tier
+deliberately rather than running in the wrong one. ``gpu`` is added
 on top to any test whose ``skipif`` skips exactly when CUDA is missing, for a reason naming the GPU. Select with
 ``pytest -m unit``, ``-m "not integration"``, ``-m "kernels or unit"``, ...; the full run
 (``pytest tests``) prints the time spent per tier at the end.
@@ -41,25 +43,26 @@ MODULE_TIERS = {
     "test_config": "unit",
     "test_data": "unit",
     "test_distributed": "integration",
-    "test_ep_proxy": "integration",
     "test_float8_linear": "kernels",
+    "test_expert_copies": "kernels",
     "test_fp8": "kernels",
     "test_fp8_parity": "kernels",
     "test_grouped_mm_fp8": "kernels",
     "test_hf": "unit",
     "test_hopper_gemm": "kernels",
+    "test_layout": "unit",
+    "test_linear_copies": "kernels",
     "test_loss": "unit",
     "test_mega_moe": "kernels",
     "test_mega_moe_fp8": "kernels",
     "test_model": "unit",
     "test_moe_backends": "kernels",
+    "test_precision": "unit",
     "test_profiling": "integration",
-    "test_shadow_weights": "kernels",
     "test_signals": "integration",
     "test_simulate_world": "integration",
     "test_step_breakdown": "unit",
     "test_train": "integration",
-    "test_weight_cache": "kernels",
 }
 
 # Tests of modules owned elsewhere whose tier differs from their module's (by node id prefix).
@@ -68,7 +71,7 @@ TEST_TIERS = {
     "test_float8_linear.py::test_train_main_with_fp8_linears_and_experts": "integration",
     "test_float8_linear.py::test_trainer_": "integration",
     "test_mega_moe_fp8.py::test_trains_end_to_end": "integration",
-    "test_weight_cache.py::test_bf16_cache_trains": "integration",
+    "test_expert_copies.py::test_bf16_copies_train": "integration",
 }
 
 
@@ -85,14 +88,24 @@ def _is_gpu_only(item) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    untiered: dict[str, str] = {}  # module -> its file, for the error
     for item in items:
         if not any(item.get_closest_marker(t) for t in TIERS):
             name = item.nodeid.split("/")[-1]
+            module = item.module.__name__.rsplit(".", 1)[-1]
             tier = next((t for prefix, t in TEST_TIERS.items() if name.startswith(prefix)), None)
-            tier = tier or MODULE_TIERS.get(item.module.__name__.rsplit(".", 1)[-1], "unit")
+            tier = tier or MODULE_TIERS.get(module)
+            if tier is None:
+                untiered[module] = item.nodeid.split("::")[0]
+                continue
             item.add_marker(getattr(pytest.mark, tier))
         if _is_gpu_only(item):
             item.add_marker(pytest.mark.gpu)
+    if untiered:
+        raise pytest.UsageError("\n".join(
+            f"{path} has no test tier: add \"{module}\": \"unit\" (or \"kernels\", \"integration\") to MODULE_TIERS "
+            f"in tests/conftest.py, or mark each of its tests with @pytest.mark.unit / kernels / integration "
+            f"(docs/testing.md)" for module, path in sorted(untiered.items())))
 
 
 @pytest.fixture(autouse=True)

@@ -190,6 +190,27 @@ def test_export_script_writes_what_was_trained(tmp_path):
                         "--config", "train_configs/debug_model.toml", "--model.n_layers", "3"])
 
 
+@pytest.mark.unit
+def test_checkpoint_of_a_one_rank_ep_proxy_is_refused(tmp_path):
+    """A checkpoint whose model.json names ``simulate_expert_parallel_degree`` (written by one-rank
+    proxies of expert parallelism: E/P experts per layer) is refused by name, before DCP reads it,
+    by resume, by initial_load_path and by the HF export."""
+    step_dir = make_trainer(tmp_path, "--checkpoint.enable").checkpoint.save(1)
+    identity = json.loads((step_dir / "model.json").read_text())
+    (step_dir / "model.json").write_text(json.dumps({**identity, ckpt.RETIRED_PROXY_KEY: 2}))
+    ckpt.write_manifest(step_dir)  # intact, so resume does not fall back past it
+    want = (r"was saved by a one-rank proxy of expert parallelism \(\[experimental\] simulate_expert_parallel_degree "
+            r"= 2, a mode this trainer no longer has\): it holds 1/2 of each layer's experts, not a whole model")
+    with pytest.raises(ckpt.CheckpointError, match=want):
+        make_trainer(tmp_path, "--checkpoint.enable").checkpoint.maybe_load()
+    with pytest.raises(ckpt.CheckpointError, match=want):
+        make_trainer(tmp_path / "fresh", "--checkpoint.initial_load_path", str(step_dir),
+                     "--checkpoint.initial_load_format", "dcp").checkpoint.maybe_load()
+    with pytest.raises(SystemExit, match=want):
+        load_script("export_hf").main(["--checkpoint", str(step_dir), "--out", str(tmp_path / "hf"),
+                                       "--config", "train_configs/debug_model.toml", "--model.n_layers", "2"])
+
+
 # --------------------------------------------------------------------------------------------------
 # Output folders checked at start; damaged checkpoints (manifest); DCP's single-process warnings
 # --------------------------------------------------------------------------------------------------

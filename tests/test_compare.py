@@ -139,13 +139,15 @@ def test_report_files(tmp_path):
               "params": {"total": 1, "active": 1}, "environment": {"gpu": "NVIDIA H200"},
               "results": [{"name": "titan_bf16", "label": "TorchTitan 0.2.2, bf16", "trainer": "torchtitan",
                            "precision": "bf16", "status": "ok", "tokens_per_s": 50000.0, "step_time_s": 0.33,
-                           "command": "python -m torch.distributed.run ..."},
+                           "simulated": "simulating rank 0 of 8 ranks in one process (upstream TorchTitan",
+                           "command": "python -m bench.titan_simulated 8 ..."},
                           {"name": "ours_mega", "label": "ours, `mega` backend, bf16", "trainer": "ours",
                            "precision": "bf16", "status": "failed", "reason": "RuntimeError: x | y", "command": "python train.py"}]}
     chart = compare.write_report(report, tmp_path, chart=True)
     md = (tmp_path / "compare.md").read_text()
     assert "| TorchTitan 0.2.2, bf16 | 50,000 | 1.000x | 1.000x | 0.330 s |" in md
     assert "failed: RuntimeError: x / y |" in md  # a '|' in a reason cannot break the table
+    assert "| ok (simulated rank 0: collectives excluded) |" in md
     assert json.loads((tmp_path / "compare.json").read_text())["ratios"]["titan_best"] == "titan_bf16"
     if chart in ("matplotlib", "PIL"):
         assert (tmp_path / "compare.png").read_bytes()[:4] == b"\x89PNG"
@@ -279,7 +281,7 @@ def test_several_gpus_run_under_torchrun_with_ep(tmp_path):
 def test_simulated_world_runs_both_trainers_as_rank_0_of_n(tmp_path):
     """--simulate-world N: one plain process per run, upstream through bench.titan_simulated and ours
     with [parallelism] simulate_world_size, FSDP over N and the same EP in both; the logs' simulation
-    line marks the results as proxies."""
+    line marks the results as simulated."""
     from components.config import parse_args
 
     setting = compare.Setting("qwen3_30b_a3b", 48, 16384, 20, tmp_path, ep=8, simulate_world=8)
@@ -297,8 +299,8 @@ def test_simulated_world_runs_both_trainers_as_rank_0_of_n(tmp_path):
     assert cfg.optimizer.implementation == "auto"  # DTensor parameters: no Triton shadows
     for line in ("simulating rank 0 of 8 ranks in one process: collectives are looped back",
                  "simulating rank 0 of 8 ranks in one process (upstream TorchTitan, loopback"):
-        assert compare.summarize_log(line + "\n" + ours_log(), 16384, (6, 20))["proxy"] == line
-    assert compare.summarize_log(ours_log(), 16384, (6, 20))["proxy"] is None
+        assert compare.summarize_log(line + "\n" + ours_log(), 16384, (6, 20))["simulated"] == line
+    assert compare.summarize_log(ours_log(), 16384, (6, 20))["simulated"] is None
     for bad in (["--simulate-world", "8", "--gpus", "8", "--ep", "8"], ["--simulate-world", "8", "--ep", "3"],
                 ["--simulate-world", "1"]):
         with pytest.raises(SystemExit):

@@ -71,7 +71,7 @@ def test_help_lists_sections_fields_and_defaults(capsys):
     assert parse_args(["--help"]) is None
     out = capsys.readouterr().out
     for section in ("[job]", "[model]", "[moe]", "[training]", "[optimizer]", "[lr_scheduler]", "[parallelism]",
-                    "[activation_checkpoint]", "[compile]", "[quantize]", "[checkpoint]", "[metrics]"):
+                    "[activation_checkpoint]", "[compile]", "[precision]", "[checkpoint]", "[metrics]"):
         assert section in out
     assert "--training.steps int = 10000" in out and "--moe.backend str = 'grouped_mm'" in out
     assert out == config_help() + "\n"

@@ -50,7 +50,7 @@ def _train_job(rank: int, world: int, args: list[str], init_path: str | None, mo
         if mode == "save":
             trainer.checkpoint.save(STEPS)
     state = full_state(trainer.model)
-    return {"losses": losses, "state": state, "cache": trainer.weight_cache_mode} if rank == 0 else None
+    return {"losses": losses, "state": state, "copies": trainer.precision.expert_copies} if rank == 0 else None
 
 
 def spawn(world: int, args: list[str], init_path: str, out_path: str | None = None, mode: str = "train",
@@ -244,7 +244,7 @@ def _drop_job(rank: int, world: int, args: list[str], init_path: str, dump_folde
     before = full_state(trainer.model)
     from_routing, reported = defaultdict(int), defaultdict(int)
     for block in trainer.model.layers.values():
-        ep = block.moe.experts.expert_parallel
+        ep = block.moe.experts.dispatch
         dispatch, combine = ep._dispatch, ep._combine
 
         def recording_dispatch(x_TD, topk_ids_TK, *rest, ep=ep, dispatch=dispatch):
@@ -388,15 +388,15 @@ def test_bad_parallel_configs(world, args, pattern):
 @pytest.mark.parametrize("world,ep_args", [
     (2, ["--parallelism.expert_parallel_degree", "2"]),
     (2, ["--parallelism.expert_parallel_degree", "2", "--experimental.expert_parallel_chunks", "2"]),
-    (4, ["--parallelism.expert_parallel_degree", "2"]),  # expert-FSDP 2: cached shards, then all-gathered
+    (4, ["--parallelism.expert_parallel_degree", "2"]),  # expert-FSDP 2: copies of shards, then all-gathered
 ], ids=["ep2", "ep2-chunks2", "dp_shard4-ep2"])
-def test_expert_weight_cache_under_ep(reference, tmp_path, world, ep_args):
-    """bf16 compute with EP: each rank caches the bf16 copy of its expert shard (DTensor
+def test_expert_compute_copies_under_ep(reference, tmp_path, world, ep_args):
+    """bf16 compute with EP: each rank keeps the bf16 compute copy of its expert shard (DTensor
     parameters, refreshed after each optimizer step); training is bitwise that of the per-call casts."""
     bf16 = ["--training.mixed_precision_param", "bfloat16"] + ep_args
     got = spawn(world, bf16, reference["init"])
-    want = spawn(world, bf16 + ["--moe.cache_expert_weights", "false"], reference["init"])
-    assert (got["cache"], want["cache"]) == ("bf16", None)
+    want = spawn(world, bf16 + ["--precision.compute_copies", "false"], reference["init"])
+    assert (got["copies"], want["copies"]) == ("bf16", None)
     assert got["losses"] == want["losses"]
     for name, value in want["state"].items():
         assert torch.equal(got["state"][name], value), name

@@ -1,4 +1,4 @@
-"""FP8 dense linears (``[quantize] linear = "fp8_rowwise"``): the rowwise GEMMs, the module swap and
+"""FP8 dense linears (``[precision] linear = "fp8_rowwise"``): the rowwise GEMMs, the module swap and
 training through ``train.py``, on CPU (an exact emulation of ``torch._scaled_mm`` there).
 
 Tolerances. e4m3 keeps 3 mantissa bits: rounding to nearest moves a value by at most 2^-4 of
@@ -19,8 +19,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from components.config import Quantize
-from components.float8 import Float8Linear, convert_to_float8
+from components.precision.float8 import Float8Linear, convert_to_float8
 from kernels.fp8.rowwise import E4M3_MAX, fp8_linear, quantize_rowwise, scaled_mm_rowwise
 from models.qwen3.args import Qwen3MoEArgs, get_model_args
 from models.qwen3.model import Qwen3MoE
@@ -143,7 +142,7 @@ def test_conversion_picks_exactly_the_attention_projections():
     model = debug_model(init=False)
     before = dict(model.named_parameters())
     logs = []
-    assert convert_to_float8(model, Quantize(linear="fp8_rowwise"), log=logs.append) == 8
+    assert convert_to_float8(model, "fp8_rowwise", log=logs.append) == 8
     converted = {name for name, m in model.named_modules() if isinstance(m, Float8Linear)}
     assert converted == {f"layers.{i}.attention.{p}" for i in range(2) for p in ("wq", "wk", "wv", "wo")}
     # Parameters are the same objects under the same names (FSDP, optimizer and checkpoints see no change).
@@ -151,13 +150,13 @@ def test_conversion_picks_exactly_the_attention_projections():
     assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
     assert type(model.output) is nn.Linear and type(model.layers["0"].moe.router.gate) is nn.Linear
     assert "8 attention projections" in logs[-1]
-    assert convert_to_float8(debug_model(init=False), Quantize(linear="none")) == 0
+    assert convert_to_float8(debug_model(init=False), "none") == 0
 
 
 def test_conversion_skips_shapes_fp8_cannot_run():
     model = debug_model(n_layers=1, init=False, n_heads=3, n_kv_heads=1, head_dim=8)  # q: 24 features, k and v: 8
     logs = []
-    assert convert_to_float8(model, Quantize(linear="fp8_rowwise"), log=logs.append) == 0
+    assert convert_to_float8(model, "fp8_rowwise", log=logs.append) == 0
     assert sum("stays bf16" in line for line in logs) == 4
     assert "layers.0.attention.wq stays bf16: its shape (24, 256)" in logs[0]
 
@@ -171,7 +170,7 @@ def test_converted_model_matches_bf16_model():
     ref.init_weights()
     fp8 = Qwen3MoE(args)
     fp8.load_state_dict(ref.state_dict())
-    convert_to_float8(fp8, Quantize(linear="fp8_rowwise"), log=lambda msg: None)
+    convert_to_float8(fp8, "fp8_rowwise", log=lambda msg: None)
     tokens = torch.randint(0, args.vocab_size, (2, 32))
     with torch.autocast("cpu", dtype=torch.bfloat16):  # as the trainer runs a single process
         logits, _ = fp8(tokens)
@@ -185,10 +184,10 @@ def test_train_with_fp8_linears(tmp_path):
     and FP8 experts together under full activation checkpointing + compile (fullgraph) in bf16
     autocast."""
     ref = short_run_losses(tmp_path)
-    got = short_run_losses(tmp_path, "--quantize.linear", "fp8_rowwise")
+    got = short_run_losses(tmp_path, "--precision.linear", "fp8_rowwise")
     assert all(math.isfinite(v) for v in got)
     assert got == pytest.approx(ref, rel=1e-2)
-    got = short_run_losses(tmp_path, "--quantize.linear", "fp8_rowwise", "--quantize.moe", "fp8_rowwise",
+    got = short_run_losses(tmp_path, "--precision.linear", "fp8_rowwise", "--precision.moe", "fp8_rowwise",
                            "--activation_checkpoint.mode", "full", "--compile.enable", "--compile.backend", "aot_eager",
                            "--training.mixed_precision_param", "bfloat16")
     assert got == pytest.approx(ref, rel=1e-2)
@@ -206,7 +205,7 @@ def test_train_main_with_fp8_linears_and_experts(tmp_path, capsys):
             "--metrics.log_freq", "1"]
     assert main(args) == 0
     want = capsys.readouterr().out
-    assert main([*args, "--quantize.linear", "fp8_rowwise", "--quantize.moe", "fp8_rowwise"]) == 0
+    assert main([*args, "--precision.linear", "fp8_rowwise", "--precision.moe", "fp8_rowwise"]) == 0
     out = capsys.readouterr().out
     assert "4 attention projections run in FP8" in out and "run in FP8" not in want
     assert_steps_close(out, want, steps=2, rel=2e-3)
@@ -240,7 +239,7 @@ def test_fsdp2_trains_like_one_process(tmp_path):
     from tests.test_distributed import BASE, full_state, global_batches, run_steps, spawn
     from train import Trainer
 
-    fp8 = ["--quantize.linear", "fp8_rowwise", "--quantize.moe", "fp8_rowwise"]
+    fp8 = ["--precision.linear", "fp8_rowwise", "--precision.moe", "fp8_rowwise"]
     single = Trainer(parse_args(BASE + fp8 + ["--training.global_batch_size", "4"]))
     init = str(tmp_path / "init.pt")
     torch.save(full_state(single.model), init)
@@ -309,7 +308,7 @@ def test_fp8_linear_trainer_gradients_cuda(tmp_path, keep):
         ce.backward()
         return {name: p.grad.float().cpu() for name, p in trainer.model.named_parameters() if p.grad is not None}
 
-    ref, got = grads(), grads("--quantize.linear", "fp8_rowwise")
+    ref, got = grads(), grads("--precision.linear", "fp8_rowwise")
     assert got.keys() == ref.keys()
     errs = {name: rel(got[name], ref[name]) for name in ref if ref[name].norm() > 0}
     worst = sorted(errs.items(), key=lambda kv: -kv[1])[:8]

@@ -21,7 +21,7 @@ import torch
 triton = pytest.importorskip("triton")
 from kernels.fp8 import grouped_gemm as G  # noqa: E402
 from kernels.fp8 import blockwise as Q  # noqa: E402
-from kernels.moe.routing import sort_by_expert, tile_table  # noqa: E402
+from kernels.common.routing import sort_by_expert, tile_table  # noqa: E402
 
 from tests.triton_interpreter import DEVICE, skip_unless_runnable  # noqa: E402
 from tests.triton_interpreter import HAS_CUDA as _HAS_CUDA  # noqa: E402
@@ -231,21 +231,6 @@ def test_zeros(pow2):
 
 
 @pytest.mark.parametrize("pow2", [False, True])
-@pytest.mark.parametrize("shape", [(1, 1), (37, 300), (256, 128), (130, 129)])
-def test_quantize_dual_matches_reference(shape, pow2):
-    """Row copy and column copy from one read == rowwise(x) and rowwise(x.T), bit for bit."""
-    seed = random_seed()
-    x = _input(*shape, torch.bfloat16)
-    got = Q.quantize_dual(x, pow2)
-    _assert_same_q(got, Q.quantize_dual_ref(x, pow2), f"seed {seed} shape {shape} pow2={pow2}")
-    _assert_same_q(got[2:], Q.quantize_1x128(x.t().contiguous(), pow2), f"seed {seed}: column copy")
-    qt, st = got[2:]
-    deq = Q.dequantize_rowwise_ref(qt, st).t()
-    ok, worst = _roundtrip_bound_ok(x, deq, st.repeat_interleave(128, 1)[:, : shape[0]].t())
-    assert ok, f"seed {seed}: column copy round-trip exceeds the bound by {worst}"
-
-
-@pytest.mark.parametrize("pow2", [False, True])
 @pytest.mark.parametrize("shape", [(1, 1, 1), (3, 200, 300), (2, 256, 128), (1, 129, 257)])
 def test_quantize_weight_matches_reference(shape, pow2):
     seed = random_seed()
@@ -304,7 +289,7 @@ def test_expert_weights_quantized_in_one_pass(E, F, D, pow2):
                 QuantizedExpertWeights.quantize(b1, b3, b2, pow2)):
         for name, w in want.items():
             _assert_same_q((getattr(got, name),), (w,), f"{msg}: {name}")
-    # float32 masters rounded to bf16 inside the pass (the weight cache's refresh): the same bytes
+    # float32 masters rounded to bf16 inside the pass (the compute copies' refresh): the same bytes
     got = QuantizedExpertWeights.quantize(w1, w3, w2, pow2, out=out, round_bf16=True)
     for name, w in want.items():
         _assert_same_q((getattr(got, name),), (w,), f"{msg}: {name}, round_bf16")

@@ -98,7 +98,7 @@ def test_runs_end_to_end_on_cpu(tmp_path):
     report = json.loads((tmp_path / "parity.json").read_text())
     assert set(report["curves"]) == {"bf16", "gmm_fp8"}
     assert all(len(c) == 3 for c in report["curves"].values()), report["curves"]
-    assert "--quantize.moe fp8_rowwise" in report["commands"]["gmm_fp8"]
+    assert "--precision.moe fp8_rowwise" in report["commands"]["gmm_fp8"]
     assert report["comparison"]["gmm_fp8"]["within"] is True  # 3 steps from the same init: ~equal
     assert rc == 0
     assert (tmp_path / "parity.md").read_text().startswith("`python -m bench.fp8_parity")

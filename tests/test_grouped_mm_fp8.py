@@ -106,7 +106,7 @@ def test_backend_matches_fp8_oracle_and_reference(T, D, F_, E, K, kind):
 
 def test_registered_and_resolved():
     assert kernels.moe.resolve_moe_backend("grouped_mm", "fp8_rowwise") == "grouped_mm_fp8"
-    assert kernels.moe.get_moe_backend("grouped_mm_fp8") is moe_grouped_mm_fp8
+    assert kernels.moe.get_moe_backend("grouped_mm_fp8").fn is moe_grouped_mm_fp8
 
 
 def test_dims_not_multiple_of_16_are_rejected():
@@ -129,7 +129,7 @@ def test_compiles_fullgraph():
 
 def test_trains_like_bf16(tmp_path):
     ref = short_run_losses(tmp_path)
-    got = short_run_losses(tmp_path, "--quantize.moe", "fp8_rowwise")
+    got = short_run_losses(tmp_path, "--precision.moe", "fp8_rowwise")
     assert all(math.isfinite(v) for v in got)
     assert got == pytest.approx(ref, rel=1e-2)
 

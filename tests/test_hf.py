@@ -225,7 +225,7 @@ def test_export_script_refuses_to_overwrite(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from components.checkpoint import quiet_single_process_dcp
+    from components.dcp_utils import quiet_single_process_dcp
     from tests.utils import debug_model, load_script
 
     model = debug_model(n_layers=1)

@@ -1,12 +1,13 @@
-"""The warp-specialized Gluon FP8 GEMMs (kernels/fp8/hopper_gemm.py, hopper_wgrad.py, hopper_grouped.py,
-hopper_gate_up.py) and the engine choice.
+"""The warp-specialized Gluon FP8 GEMMs (kernels/fp8/hopper_wgrad.py, hopper_grouped.py, hopper_gate_up.py
+on the engine of kernels/fp8/gluon_base.py, and the dense benchmark kernel bench/hopper_dense_gemm.py) and
+the engine choice.
 
 - Everywhere (CPU included): each kernel (as ``bench.sass_report --only gluon`` builds it) compiles
   for sm_90a with Triton's own ptxas, its SASS uses the FP8 warpgroup MMA (QGMMA) and keeps nothing
   in local memory inside a K loop. Gluon kernels have no CPU interpreter, so this is what CI can check.
 - On a Hopper GPU: the product against a float64 reference on fresh random inputs at awkward shapes
   (rows and columns not multiples of the 128 tile, K not a multiple of 128, one K block, rows with
-  100x larger scales), fp8-level agreement with the unquantized product, and the no-scale probe.
+  100x larger scales), fp8-level agreement with the unquantized product.
 """
 
 import os
@@ -19,9 +20,10 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from bench.hopper_gemm import make_grouped_inputs, make_inputs, make_wgrad_inputs  # noqa: E402
+from bench import hopper_dense_gemm as H  # noqa: E402
 from bench import sass_report  # noqa: E402
-from kernels.fp8 import hopper_gemm as H  # noqa: E402
+from bench.hopper_gemm import make_grouped_inputs, make_inputs, make_wgrad_inputs  # noqa: E402
+from kernels.fp8 import gluon_base  # noqa: E402
 from kernels.fp8 import hopper_gate_up as GU  # noqa: E402
 from kernels.fp8 import hopper_grouped as G  # noqa: E402
 from kernels.fp8 import hopper_wgrad as W  # noqa: E402
@@ -32,8 +34,8 @@ from tests.utils import random_seed  # noqa: E402
 IS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 # The names of bench.sass_report.gluon()'s kernels (built there without being compiled).
-GLUON_KERNELS = ["gemm_st4", "gemm_st5", "gemm_st4_unscaled", "wgrad_st4_fp32", "wgrad_st4_bf16", "grouped_down",
-                 "grouped_dx", "grouped_da", "gate_up", "gate_up_store_epilogue"]
+GLUON_KERNELS = ["gemm_st4", "gemm_st5", "wgrad_st4_fp32", "wgrad_st4_bf16", "grouped_down", "grouped_dx",
+                 "grouped_da", "gate_up"]
 
 
 def _compile_all(folder: str) -> None:
@@ -55,8 +57,8 @@ def _compile_all(folder: str) -> None:
 
 # The gate/up epilogue's IEEE division (A / its row scale, bit-exact with the references) keeps one
 # register in local memory around its slow path: a store and two loads per consumer warpgroup, per
-# tile (four with the epilogue in the store layout).
-EPILOGUE_SPILLS = {"gate_up": 6, "gate_up_store_epilogue": 8}
+# tile.
+EPILOGUE_SPILLS = {"gate_up": 6}
 
 
 def _local_memory_in_loops(sass: str) -> list[str]:
@@ -124,15 +126,6 @@ def test_matches_float64(M, N, K, stages):
     assert err < 4e-3, f"seed {seed}: relative error {err:.2e}"
     torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item(),
                                msg=lambda d: f"seed {seed}: {d}")
-
-
-@pytest.mark.skipif(not IS_HOPPER, reason="needs an sm_90 (Hopper) GPU")
-def test_unscaled_probe_is_the_plain_product():
-    gen = torch.Generator().manual_seed(random_seed())
-    a_q, a_s, b_q, b_s = make_inputs(256, 256, 512, generator=gen)
-    out = H.fp8_gemm(a_q, a_s.t().contiguous(), b_q, b_s, scaled=False)
-    ref = a_q.double() @ b_q.double().T
-    assert ((out.double() - ref).norm() / ref.norm()).item() < 4e-3
 
 
 @pytest.mark.skipif(not IS_HOPPER, reason="needs an sm_90 (Hopper) GPU")
@@ -250,13 +243,13 @@ GATE_UP_CASES = [(300, 8, 8, 256, 256, "random"), (129, 1, 4, 208, 128, "one_exp
 
 @pytest.mark.skipif(not IS_HOPPER, reason="needs an sm_90 (Hopper) GPU")
 @pytest.mark.parametrize("case", GATE_UP_CASES, ids=lambda c: f"T{c[0]}k{c[1]}E{c[2]}D{c[3]}F{c[4]}-{c[5]}")
-@pytest.mark.parametrize("pow2,mma_epilogue", [(False, True), (True, True), (False, False)])
-def test_gate_up_matches_the_triton_kernel(case, pow2, mma_epilogue):
+@pytest.mark.parametrize("pow2", [False, True])
+def test_gate_up_matches_the_triton_kernel(case, pow2):
     """The Gluon gate/up over rows gathered into expert order against the Triton kernel (which
     gathers them itself) and float64: H and A's e4m3 bytes and scales, on the rows the op reads."""
     from kernels.fp8 import blockwise as Q
     from kernels.fp8.grouped_gemm import fp8_gate_up_swiglu, fp8_gate_up_swiglu_ref
-    from kernels.moe.routing import gather_sorted_rows, sort_by_expert, tile_table
+    from kernels.common.routing import gather_sorted_rows, sort_by_expert, tile_table
     from tests.utils import make_routing
 
     seed = random_seed()
@@ -269,8 +262,7 @@ def test_gate_up_matches_the_triton_kernel(case, pow2, mma_epilogue):
     tiles = tile_table(offs, T * K, 128)
     a_in = gather_sorted_rows(xq.view(torch.uint8), slots, offs, K).view(xq.dtype)
     s_in = gather_sorted_rows(xs, slots, offs, K)
-    h, (aq, a_s) = GU.fp8_gate_up_swiglu_ws(a_in, s_in, w1q, w1s, w3q, w3s, offs, tiles=tiles, pow2_scales=pow2,
-                                            mma_epilogue=mma_epilogue)
+    h, (aq, a_s) = GU.fp8_gate_up_swiglu_ws(a_in, s_in, w1q, w1s, w3q, w3s, offs, tiles=tiles, pow2_scales=pow2)
     h_t, _, (aq_t, as_t) = fp8_gate_up_swiglu(xq, xs, w1q, w1s, w3q, w3s, slots, offs, K, quantize_a=True,
                                               store_a=False, pow2_scales=pow2, tiles=tiles, block_m=128)
     n = int(offs[-1])
@@ -306,17 +298,17 @@ def test_gate_up_rejects_what_it_cannot_run():
 def test_checked_tile_table():
     """The Gluon launchers' tile table (CPU: no kernel runs): built when not given, and a caller's table
     of the wrong size, or without room for the tile count stored after it, refused."""
-    from kernels.moe.routing import max_tiles, tile_table
+    from kernels.common.routing import max_tiles, tile_table
 
     offs = torch.tensor([0, 130, 130, 300], dtype=torch.int32)  # an empty expert, partial tiles
-    Nr, n = 300, max_tiles(300, 3, G.BLOCK_M)
-    built = G.checked_tile_table(None, offs, Nr, n)
-    assert torch.equal(built, tile_table(offs, Nr, G.BLOCK_M))
-    assert G.checked_tile_table(built, offs, Nr, n) is built
+    Nr, n = 300, max_tiles(300, 3, gluon_base.GROUPED_BLOCK_M)
+    built = gluon_base.checked_tile_table(None, offs, Nr, n)
+    assert torch.equal(built, tile_table(offs, Nr, gluon_base.GROUPED_BLOCK_M))
+    assert gluon_base.checked_tile_table(built, offs, Nr, n) is built
     with pytest.raises(ValueError, match="is not a table of 128-row tiles over 300 rows"):
-        G.checked_tile_table(torch.zeros(2, n + 1, dtype=torch.int32), offs, Nr, n)
+        gluon_base.checked_tile_table(torch.zeros(2, n + 1, dtype=torch.int32), offs, Nr, n)
     with pytest.raises(ValueError, match="which also stores the tile count after it"):
-        G.checked_tile_table(torch.zeros(2, n, dtype=torch.int32), offs, Nr, n)  # no count past the table
+        gluon_base.checked_tile_table(torch.zeros(2, n, dtype=torch.int32), offs, Nr, n)  # no count past the table
 
 
 def test_engine_choice():

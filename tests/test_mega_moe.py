@@ -18,7 +18,7 @@ triton = pytest.importorskip("triton")
 from kernels.moe.mega import get_configs, mega_moe, moe_backward, moe_forward  # noqa: E402
 from kernels.moe.mega import forward as _fwd_module  # noqa: E402
 from kernels.moe.combine import one_slot_output  # noqa: E402
-from kernels.moe.routing import gather_sorted_rows, max_tiles, num_real_tiles, sort_by_expert, tile_table  # noqa: E402
+from kernels.common.routing import gather_sorted_rows, max_tiles, num_real_tiles, sort_by_expert, tile_table  # noqa: E402
 from tests.triton_interpreter import DEVICE, skip_unless_runnable  # noqa: E402
 from tests.triton_interpreter import HAS_CUDA as _HAS_CUDA  # noqa: E402
 from tests.utils import (  # noqa: E402
@@ -306,7 +306,7 @@ def test_compile_fullgraph():
 
 
 def test_backend_registered():
-    assert get_moe_backend("mega") is mega_moe
+    assert get_moe_backend("mega").fn is mega_moe
 
 
 def _good_inputs(dtype=torch.float32, device=DEVICE):

@@ -17,7 +17,7 @@ shapes); with one, the same tests run on it, plus one at the Qwen3-30B expert sh
 - tight, against ``kernels/moe/mega_fp8/reference.py``: the same quantized pipeline with float64
   GEMMs, fed the op's own saved H and routing metadata. The kernels quantize bit-identically, so
   what differs is fp32 accumulation order and the final bf16 roundings (and, under the interpreter,
-  its fp32 -> bf16 cast in the shared ``sum_over_k`` and bf16 wgrad kernels, which truncates):
+  its fp32 -> bf16 cast in the shared ``sum_over_k`` kernel, which truncates):
   within one bf16 ulp per element, ``TIGHT_BOUND`` in Frobenius norm — except where a value each
   side computes itself is quantized again (y, dx, dW), where an amax flip moves a whole 128-block:
   ``REQUANT_BOUND`` and 5% of entries (``_assert_tight`` says why and what was measured).
@@ -35,7 +35,7 @@ from kernels.moe import get_moe_backend, resolve_moe_backend  # noqa: E402
 from kernels.fp8 import blockwise as Q  # noqa: E402
 from kernels.moe.mega_fp8 import MegaFP8Options, mega_moe_fp8  # noqa: E402
 from kernels.moe.mega_fp8 import backward as B  # noqa: E402
-from kernels.moe.routing import sort_by_expert  # noqa: E402
+from kernels.common.routing import sort_by_expert  # noqa: E402
 from kernels.moe.mega_fp8.reference import mega_moe_fp8_backward_ref, mega_moe_fp8_forward_ref  # noqa: E402
 from kernels.moe.reference import moe_reference  # noqa: E402
 
@@ -114,16 +114,16 @@ def _assert_tight(got, want, name, msg, magnitude=None, requantized=False):
         f"{name}: {beyond} of {got.numel()} entries differ by more than a bf16 ulp; {msg}")
 
 
-def _check(T, K, E, D, F, kind, outliers=False, wgrad="fp8", pow2=False, dh_quant=False, engine="auto"):
+def _check(T, K, E, D, F, kind, outliers=False, pow2=False, dh_quant=False, engine="auto"):
     """One forward + backward through the op's autograd; FP8-level and tight checks of everything."""
     seed = random_seed()
     x, ids, s, w1, w3, w2, dy = _inputs(T, K, E, D, F, kind, outliers)
-    msg = (f"seed={seed} T={T} K={K} E={E} D={D} F={F} {kind} outliers={outliers} wgrad={wgrad} pow2={pow2} "
+    msg = (f"seed={seed} T={T} K={K} E={E} D={D} F={F} {kind} outliers={outliers} pow2={pow2} "
            f"engine={engine}")
     leaves = [t.clone().requires_grad_() for t in (x, s, w1, w3, w2)]
     # Through the custom op itself (what mega_moe_fp8 calls) so that H and the routing metadata are
     # at hand for the tight reference.
-    y, h, slots, offs = torch.ops.mega_moe_fp8.forward(leaves[0], ids, *leaves[1:], wgrad, pow2, engine, True, [])
+    y, h, slots, offs = torch.ops.mega_moe_fp8.forward(leaves[0], ids, *leaves[1:], pow2, engine, True, [])
     grads = torch.autograd.grad(y, leaves, dy)
     assert y.dtype == BF16 and y.shape == (T, D), msg
     for name, g, leaf in zip(GRADS, grads, leaves):
@@ -153,7 +153,7 @@ def _check(T, K, E, D, F, kind, outliers=False, wgrad="fp8", pow2=False, dh_quan
     _assert_tight(y, y_q, "y", msg, y_mag, requantized=True)
     n = int(offs[-1])  # rows past n are empty slots, never written
     _assert_tight(h[:n], h_q[:n], "H", msg)
-    *want, dx_mag, ds_mag = mega_moe_fp8_backward_ref(dy, x, s, w1, w3, w2, h, slots, offs, wgrad, pow2,
+    *want, dx_mag, ds_mag = mega_moe_fp8_backward_ref(dy, x, s, w1, w3, w2, h, slots, offs, pow2,
                                                       with_magnitude=True)
     # dtopk_weights sums dA' * act over F, terms that cancel: an ulp is taken of their magnitude (on
     # the H200, where dA' carries the FP8 MMA's ~14-bit accumulation, 1-3 of 42 entries were beyond
@@ -194,7 +194,7 @@ _CASES = [
     pytest.param(33, 1, 4, 256, 256, "one_expert", False, dict(pow2=True), id="T33-top1-all-to-one-F256-pow2"),
     pytest.param(16, 8, 8, 128, 128, "random", False, {}, id="T16-top8-E8"),
     pytest.param(37, 2, 4, 256, 128, "random", True, {}, id="T37-top2-outliers"),
-    pytest.param(41, 2, 4, 128, 128, "empty_slots", False, dict(wgrad="bf16"), id="T41-top2-emptyslots-bf16wgrad"),
+    pytest.param(41, 2, 4, 128, 128, "empty_slots", False, {}, id="T41-top2-emptyslots"),
     pytest.param(27, 1, 4, 128, 128, "empty_slots", False, {}, id="T27-top1-emptyslots"),
     pytest.param(21, 2, 4, 200, 192, "empty_expert", False, dict(dh_quant=True), id="T21-D200-F192-emptyexperts"),
     pytest.param(19, 4, 8, 128, 128, "empty_expert", False, dict(pow2=True), id="T19-top4-E8-emptyexperts-pow2"),
@@ -208,7 +208,7 @@ def test_forward_backward(T, K, E, D, F, kind, outliers, opts):
     """Output and the five gradients: FP8-level vs the unquantized oracle, tight vs the quantized
     pipeline. Covers: experts with no tokens (one_expert, empty_expert), all slots on one expert
     (ids repeated in a token), empty slots whose weights are NaN (never read), outlier rows, partial
-    scale tiles in D and F, power-of-two scales, the bf16 weight-gradient option."""
+    scale tiles in D and F, power-of-two scales."""
     _check(T, K, E, D, F, kind, outliers, **opts)
 
 
@@ -252,24 +252,24 @@ def test_compile_fullgraph():
 
 
 def test_options():
-    """``options=`` reaches both custom ops: the public op with MegaFP8Options(wgrad="bf16",
-    pow2_scales=True) gives bitwise what the custom ops give when called with those arguments
+    """``options=`` reaches both custom ops: the public op with MegaFP8Options(pow2_scales=True,
+    engine="triton") gives bitwise what the custom ops give when called with those arguments
     (whose numbers test_forward_backward checks against the references)."""
-    assert MegaFP8Options() == MegaFP8Options(wgrad="fp8", pow2_scales=False)
+    assert MegaFP8Options() == MegaFP8Options(pow2_scales=False, engine="auto")
     assert mega_moe_fp8.__module__ == "kernels.moe.mega_fp8.op"
-    with pytest.raises(ValueError, match="wgrad must be one of"):
-        MegaFP8Options(wgrad="fp16")
+    with pytest.raises(ValueError, match="engine must be one of"):
+        MegaFP8Options(engine="cutlass")
     with pytest.raises(TypeError, match="MegaFP8Options"):
-        mega_moe_fp8(*_good_inputs(), options={"wgrad": "bf16"})
+        mega_moe_fp8(*_good_inputs(), options={"pow2_scales": True})
     seed = random_seed()
     x, ids, s, w1, w3, w2, dy = _inputs(6, 2, 2, 128, 128, "random")
-    opts = MegaFP8Options(wgrad="bf16", pow2_scales=True)
+    opts = MegaFP8Options(pow2_scales=True, engine="triton")
     leaves = [t.clone().requires_grad_() for t in (x, s, w1, w3, w2)]
     y = mega_moe_fp8(leaves[0], ids, *leaves[1:], options=opts)
     got = [y, *torch.autograd.grad(y, leaves, dy)]
-    want_y, h, slots, offs = torch.ops.mega_moe_fp8.forward(x, ids, s, w1, w3, w2, "bf16", True, "auto", True, [])
-    dx, dw1, dw3, dw2, ds = torch.ops.mega_moe_fp8.backward(dy, x, s, w1, w3, w2, h, slots, offs, "bf16", True, "auto",
-                                                            True, [])
+    want_y, h, slots, offs = torch.ops.mega_moe_fp8.forward(x, ids, s, w1, w3, w2, True, "triton", True, [])
+    dx, dw1, dw3, dw2, ds = torch.ops.mega_moe_fp8.backward(dy, x, s, w1, w3, w2, h, slots, offs, True, "triton", True,
+                                                            [])
     for name, a, b in zip(("y", "dx", "ds", "dw1", "dw3", "dw2"), got, (want_y, dx, ds, dw1, dw3, dw2)):
         assert torch.equal(a, b), f"seed {seed}: {name}"
 
@@ -308,16 +308,17 @@ def test_cpu_without_interpreter_is_refused(monkeypatch):
 
 
 def test_registry_and_trainer_config():
-    """[moe] backend = "mega" + [quantize] moe = "fp8_blockwise" resolves to this backend, and the
-    trainer's start-up check accepts it."""
+    """[moe] backend = "mega" + [precision] moe = "fp8_blockwise" resolves to this backend, and the
+    precision room accepts it (under the interpreter, on CPU)."""
     from components.config import parse_args
-    from train import check_implemented
+    from components.precision import Precision
+    from parallelisms.parallel_dims import ParallelDims
 
     assert resolve_moe_backend("mega", "fp8_blockwise") == "mega_fp8"
-    assert get_moe_backend("mega_fp8") is mega_moe_fp8
+    assert get_moe_backend("mega_fp8").fn is mega_moe_fp8
     cfg = parse_args(["--config", "train_configs/debug_model.toml", "--moe.backend", "mega",
-                      "--quantize.moe", "fp8_blockwise"])
-    check_implemented(cfg)
+                      "--precision.moe", "fp8_blockwise"])
+    assert Precision(cfg, ParallelDims(1, 1, 1, 1), torch.device("cpu"), False, 1).moe_backend == "mega_fp8"
 
 
 def test_trains_end_to_end(tmp_path, capsys, narrow_debug_model):
@@ -332,10 +333,10 @@ def test_trains_end_to_end(tmp_path, capsys, narrow_debug_model):
     args = [*DEBUG_CONFIG, "--job.dump_folder", str(tmp_path), "--training.mixed_precision_param", "bfloat16",
             "--model.n_layers", "1", "--training.seq_len", "8", "--training.local_batch_size", "2",
             "--training.steps", "2", "--metrics.log_freq", "1"]
-    rc = main([*args, "--moe.backend", "mega", "--quantize.moe", "fp8_blockwise"])
+    rc = main([*args, "--moe.backend", "mega", "--precision.moe", "fp8_blockwise"])
     out = capsys.readouterr()
     assert rc == 0, out.err
-    rc = main([*args, "--moe.backend", "torch", "--quantize.moe", "none"])
+    rc = main([*args, "--moe.backend", "torch", "--precision.moe", "none"])
     want = capsys.readouterr()
     assert rc == 0, want.err
     assert_steps_close(out.out, want.out, steps=2, rel=2e-3)
@@ -353,10 +354,10 @@ def test_bench_code_paths():
     rows = fp8_kernels.time_moe_ops(T=8, top_k=2, E=2, shapes={"tiny": (128, 128)}, iters=1,
                                     device=DEVICE, timer=wall_ms if not _HAS_CUDA else None,
                                     breakdown=("mega_fp8 cached",))
-    assert "cached" in rows[3] and "master" in rows[4] and all("TFLOP/s" in r for r in rows[1:7]), rows
+    assert "cached" in rows[3] and "master" in rows[4] and all("TFLOP/s" in r for r in rows[1:6]), rows
     # The kernel-by-kernel table: a title with the total, a header, then one row per kernel.
-    assert rows[7].startswith("tiny mega_fp8 cached, fwd+bwd: ") and "ms of kernels per call" in rows[7], rows[7:]
-    assert len(rows) > 9 and all(float(r.split()[0]) >= 0 for r in rows[9:]), rows[7:]
+    assert rows[6].startswith("tiny mega_fp8 cached, fwd+bwd: ") and "ms of kernels per call" in rows[6], rows[6:]
+    assert len(rows) > 8 and all(float(r.split()[0]) >= 0 for r in rows[8:]), rows[6:]
 
 
 @pytest.mark.skipif(_HAS_CUDA, reason="the GPU runs the real sweep (python -m bench.fp8_kernels --sweep)")
@@ -440,14 +441,15 @@ def test_gluon_data_path_equals_the_triton_engine(T, K, E, kind, monkeypatch):
     D, F = 160, 128  # sizes every Gluon kernel but dW2's (D rows, not whole 128-row tiles) takes
     calls = _gluon_twins(monkeypatch)
     x, ids, s, w1, w3, w2, dy = _inputs(T, K, E, D, F, kind)
-    from kernels.moe.mega_fp8 import forward as Fw
+    from kernels.fp8 import engine as fp8_engine
 
-    sorted_quantizer, real = [], Fw.quantize_1x128_sorted
-    monkeypatch.setattr(Fw, "quantize_1x128_sorted", lambda *a, **k: sorted_quantizer.append(1) or real(*a, **k))
+    sorted_quantizer, real = [], fp8_engine.quantize_1x128_sorted
+    monkeypatch.setattr(fp8_engine, "quantize_1x128_sorted",
+                        lambda *a, **k: sorted_quantizer.append(1) or real(*a, **k))
     out = {}
     for engine in ("triton", "gluon"):
         leaves = [t.clone().requires_grad_() for t in (x, s, w1, w3, w2)]
-        y, h, slots, offs = torch.ops.mega_moe_fp8.forward(leaves[0], ids, *leaves[1:], "fp8", False, engine, True, [])
+        y, h, slots, offs = torch.ops.mega_moe_fp8.forward(leaves[0], ids, *leaves[1:], False, engine, True, [])
         out[engine] = (y, h[: int(offs[-1])], *torch.autograd.grad(y, leaves, dy))
         if engine == "triton":
             assert calls == {"gate_up": 0, "grouped": 0, "wgrad": 0} and not sorted_quantizer

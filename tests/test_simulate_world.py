@@ -162,7 +162,7 @@ def test_ep_exchange_computes_each_slot_once_with_valid_local_ids(world):
     """Under loopback, the rows sent to rank r come back to this rank's experts with local ids in
     [0, E/ep): each (token, k) slot is computed exactly once, by the local expert of the same local
     index as its own (global id mod E/ep), and its output returns to its own row."""
-    from kernels.moe import get_moe_backend
+    from kernels.moe import BackendArgs, get_moe_backend
     from parallelisms.expert_parallel import ExpertParallel
     from parallelisms.parallel_dims import ParallelDims
 
@@ -188,7 +188,7 @@ def test_ep_exchange_computes_each_slot_once_with_valid_local_ids(world):
     assert torch.equal(recv_expert[rows], layout.sorted_ids_N % n_local)
 
     backend = get_moe_backend("torch")
-    y_TD, dropped_E = layer(backend, x_TD, ids_TK, weights_TK, w1, w3, w2)
+    y_TD, dropped_E = layer(backend, BackendArgs(), x_TD, ids_TK, weights_TK, w1, w3, w2)
     assert dropped_E.sum() == 0
     want = backend(x_TD, ids_TK % n_local, weights_TK, w1, w3, w2)
     torch.testing.assert_close(y_TD, want, rtol=1e-5, atol=1e-5)
@@ -240,7 +240,7 @@ def test_ep_exchange_leaves_empty_rows_undefined_for_mega(world, monkeypatch, fa
     test -- and the mega kernels leave their outputs' empty rows unwritten: y and every gradient still
     equal the one-process torch backend's, with dropped slots at factor 0.5."""
     _mega_on_cpu()
-    from kernels.moe import get_moe_backend, routed_rows_only
+    from kernels.moe import BackendArgs, get_moe_backend
     from parallelisms import expert_parallel as EP
 
     poisoned = []
@@ -252,10 +252,10 @@ def test_ep_exchange_leaves_empty_rows_undefined_for_mega(world, monkeypatch, fa
     monkeypatch.setattr(EP, "_undefined_rows", nan_rows)
     layer, ids_TK, leaves, grad_TD, seed = _exchange_case(world, factor, torch.float32, D=32, F=48)
     mega = get_moe_backend("mega")
-    assert routed_rows_only(mega) and not routed_rows_only(get_moe_backend("torch"))
+    assert mega.routed_rows_only and not get_moe_backend("torch").routed_rows_only
 
     got = [t.clone().requires_grad_() for t in leaves]
-    y_TD, dropped_E = layer(mega, got[0], ids_TK, *got[1:])
+    y_TD, dropped_E = layer(mega, BackendArgs(), got[0], ids_TK, *got[1:])
     y_TD.backward(grad_TD)
     R = layer.ep * layer.capacity(*ids_TK.shape)
     assert poisoned == [R + 1, R + 1], poisoned  # the send buffer, then the returned rows' gradient
@@ -277,13 +277,13 @@ def test_ep_exchange_compiled_in_float32_has_the_eager_gradients(world, backend)
     gradients while its forward ended in a no-op cast.) mega: the path that leaves empty rows undefined."""
     if backend == "mega":
         _mega_on_cpu()
-    from kernels.moe import get_moe_backend
+    from kernels.moe import BackendArgs, get_moe_backend
 
     layer, ids_TK, leaves, _, seed = _exchange_case(world, 2.0, torch.float32, D=32, F=48, skewed=False)
     fn = get_moe_backend(backend)
 
     def loss(x, w, w1, w3, w2):
-        y_TD, _ = layer(fn, x, ids_TK, w, w1, w3, w2)
+        y_TD, _ = layer(fn, BackendArgs(), x, ids_TK, w, w1, w3, w2)
         return y_TD.square().sum()
 
     results = []
@@ -303,13 +303,13 @@ def test_ep_exchange_gradients_equal_autograd_through_one_process(world, factor)
     through the one-process MoE in float64: gradients of x, the routing weights and the experts,
     fresh inputs each run, with empty rows in every buffer, an expert no token routes to, and at
     factor 0.5 dropped slots (whose weights get no gradient)."""
-    from kernels.moe import get_moe_backend
+    from kernels.moe import BackendArgs, get_moe_backend
 
     layer, ids_TK, leaves, grad_TD, seed = _exchange_case(world, factor, torch.float64, D=8, F=6)
     backend = get_moe_backend("torch")
 
     got = [t.clone().requires_grad_() for t in leaves]
-    y_TD, dropped_E = layer(backend, got[0], ids_TK, *got[1:])
+    y_TD, dropped_E = layer(backend, BackendArgs(), got[0], ids_TK, *got[1:])
     y_TD.backward(grad_TD)
     keep_TK = _kept_slots(layer, leaves[0], ids_TK)
     assert int(dropped_E.sum()) == int((~keep_TK).sum()) and (int(dropped_E.sum()) > 0) == (factor < 1)
@@ -367,7 +367,7 @@ def test_debug_model_trains_in_a_simulated_world(tmp_path, capsys, n, extra):
 def test_compiled_blocks_train_in_a_simulated_world(tmp_path, capsys):
     """The compiled path at one size: functional collectives inside inductor's graphs go through the
     loopback group too. In bf16, as the reference configs train: compiled blocks then read the
-    experts' DTensor weights through the bf16 weight cache, which took the global tensor for the
+    experts' DTensor weights through their bf16 compute copies, which took the global tensor for the
     local shard under dynamo and failed at the first step."""
     out = run_simulated(tmp_path, capsys, SIM, "4", EP, "2", "--compile.enable", "--compile.loss", "false",
                         "--training.steps", "2", "--training.mixed_precision_param", "bfloat16")

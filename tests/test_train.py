@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from components.config import ConfigError, JobConfig
+from components.config import ConfigError
 from tests.utils import ROOT, logged_steps, make_trainer, run_losses
 from train import NonFiniteLossError, main
 
@@ -124,9 +124,10 @@ def test_config_error_exits_before_model_is_built(capsys):
 
 @pytest.mark.unit
 @pytest.mark.parametrize("override,pattern", [
-    (["--moe.backend", "torch", "--quantize.moe", "fp8_blockwise"], "not available for \\[moe\\] backend = 'torch'"),
+    (["--moe.backend", "torch", "--precision.moe", "fp8_blockwise"], "not available for \\[moe\\] backend = 'torch'"),
     (["--parallelism.expert_parallel_degree", "2"], "larger than the data-parallel shard degree"),
-    (["--parallelism.tensor_parallel_degree", "2"], "tensor_parallel_degree = 2: not implemented"),
+    (["--parallelism.tensor_parallel_degree", "2"], "tensor_parallel_degree is no longer a setting: tensor "
+                                                    "parallelism is not implemented"),
     (["--training.seq_len", "5000"], "exceeds the model's max_seq_len"),
     (["--training.global_batch_size", "10"], "must be a multiple of local_batch_size"),
 ])
@@ -267,65 +268,6 @@ def test_tensorboard_scalars_are_written(tmp_path):
     acc.Reload()
     assert {"loss", "grad_norm", "lr", "tokens_per_second", "tflops"} <= set(acc.Tags()["scalars"])
     assert [e.step for e in acc.Scalars("loss")] == [1, 2]
-
-
-@pytest.mark.unit
-def test_fp8_experts_warn_only_when_quantized_per_call():
-    """FP8 experts with the e4m3 weight cache run faster than bf16 ones and say nothing; on a GPU
-    without the cache (per-call quantization, slower) the run says so; the CPU interpreter never."""
-    from train import fp8_per_call_note
-
-    assert fp8_per_call_note("mega_fp8", "fp8_blockwise", True) is None
-    assert "made on every call" in fp8_per_call_note("mega_fp8", "bf16", True)
-    assert "made on every call" in fp8_per_call_note("mega_fp8", None, True)
-    assert fp8_per_call_note("mega_fp8", None, False) is None
-    assert fp8_per_call_note("mega", None, True) is None
-
-
-@pytest.mark.unit
-@pytest.mark.parametrize("quantize", ["none", "fp8_blockwise"])
-def test_mega_on_cpu_is_refused_outside_the_interpreter(monkeypatch, capsys, quantize):
-    """A CPU training run of the mega kernels stops at once with the backends that run there; under
-    the interpreter the tests switch on (TRITON_INTERPRET=1) it runs, with a warning."""
-    from train import check_implemented
-
-    args = ["--config", "train_configs/debug_model.toml", "--moe.backend", "mega", "--quantize.moe", quantize,
-            "--training.device", "cpu"]
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert main(args) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: [moe] backend = 'mega'"), err
-    assert "on CPU use [moe] backend = \"grouped_mm\"" in err and "for the tests only" in err
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    cfg = JobConfig()
-    cfg.moe.backend, cfg.quantize.moe, cfg.training.device = "mega", quantize, "cpu"
-    check_implemented(cfg)
-    assert "Triton's CPU interpreter (TRITON_INTERPRET=1), which is meant for the tests" in capsys.readouterr().err
-
-
-@pytest.mark.unit
-def test_fp8_gemm_engine_key(monkeypatch, capsys):
-    """``[quantize] fp8_gemm_engine``: "gluon" where it cannot run stops at start saying why; the
-    chosen engine reaches every mega_fp8 expert module and is logged once."""
-    from models.moe.moe import GroupedExperts
-    from train import check_implemented, configure_fp8_experts
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    cfg = JobConfig()
-    cfg.moe.backend, cfg.quantize.moe, cfg.training.device = "mega", "fp8_blockwise", "cpu"
-    cfg.quantize.fp8_gemm_engine = "gluon"
-    with pytest.raises(ConfigError, match="fp8_gemm_engine = \"gluon\" cannot run: the Triton interpreter"):
-        check_implemented(cfg)
-    cfg.quantize.fp8_gemm_engine = "auto"
-    check_implemented(cfg)
-    model = torch.nn.ModuleList([GroupedExperts(128, 128, 2, "mega_fp8"), GroupedExperts(128, 128, 2, "mega")])
-    lines = []
-    options = configure_fp8_experts(model, cfg.quantize, torch.device("cpu"), lines.append)
-    assert options.engine == "auto" and model[0].backend.keywords == {"options": options}
-    assert not hasattr(model[1].backend, "keywords")
-    assert lines == ["FP8 expert GEMMs: triton engine (the Triton interpreter runs (TRITON_INTERPRET=1) and Gluon "
-                     "kernels have none)"]
-    assert configure_fp8_experts(model[1:], cfg.quantize, torch.device("cpu"), lines.append) is None
 
 
 @pytest.mark.unit

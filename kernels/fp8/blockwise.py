@@ -5,12 +5,8 @@ one per tile, such that ``x ~= q.float() * s`` tile by tile. The tiles:
 
 - activations and gradients, :func:`quantize_1x128`: 1 x 128 along the last dim (the reduction
   dim of the GEMM that consumes them). (M, K) -> q (M, K), s (M, ceil(K/128)).
-- the same data for a GEMM that reduces over M (wgrad), :func:`quantize_dual`: 128 x 1 tiles, stored
-  transposed so the reduction dim stays contiguous (K-major, what Hopper's FP8 MMA reads):
-  qt (K, M), st (K, ceil(M/128)), i.e. exactly ``quantize_1x128(x.T)``, made in the same read of x
-  as the row copy.
 - expert-grouped 128 x 1 tiles for the MoE wgrad, :func:`quantize_cols_grouped`: the 128-row blocks
-  follow each expert's rows (the tile table of :mod:`kernels.moe.routing` with block_m = 128),
+  follow each expert's rows (the tile table of :mod:`kernels.common.routing` with block_m = 128),
   so a block never straddles two experts; rows may be gathered by token on the fly. Stored
   "padded": tile i at columns [128 i, 128 i + 128), zero filled, so the wgrad GEMM reads whole
   aligned 128-column blocks with no row mask.
@@ -39,8 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_utils import interpreting
-from kernels.moe.routing import max_tiles, tile_table
+from kernels.common.routing import max_tiles, tile_table
+from kernels.common.triton_utils import interpreting
 
 E4M3_MAX = 448.0
 AMAX_EPS = 1e-12
@@ -139,13 +135,6 @@ def dequantize_rowwise_ref(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype 
     """Inverse of the 1 x 128 layout: q (..., K), s (..., ceil(K/128)) -> (..., K) in ``dtype``."""
     K = q.shape[-1]
     return (q.float() * s.repeat_interleave(TILE, dim=-1)[..., :K]).to(dtype)
-
-
-def quantize_dual_ref(x: torch.Tensor, pow2_scales: bool = False):
-    """Reference of :func:`quantize_dual`: the row copy of x and the row copy of x.T."""
-    q, s = quantize_1x128_ref(x, pow2_scales)
-    qt, st = quantize_1x128_ref(x.t(), pow2_scales)
-    return q, s, qt, st
 
 
 def quantize_weight_ref(w: torch.Tensor, pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,42 +243,6 @@ def _quantize_1x128_kernel(
             off = offs_m.to(tl.int64)[:, None] * K + offs_k[None, :]
             tl.store(q_ptr + off, to_e4m3_bits(quantize_tile(x, s[:, None]), SOFT), mask=mask)
             tl.store(s_ptr + offs_m.to(tl.int64) * num_kb + kb, s, mask=row_ok)
-
-
-@triton.jit
-def _dual_kernel(
-    x_ptr,  # (M, K)
-    q_ptr,  # (M, K) uint8 out: row copy
-    s_ptr,  # (M, cdiv(K, 128)) fp32 out
-    qt_ptr,  # (K, M) uint8 out: column copy, transposed
-    st_ptr,  # (K, cdiv(M, 128)) fp32 out
-    M,
-    K,
-    POW2: tl.constexpr,
-    SOFT: tl.constexpr,
-):
-    # One 128 x 128 tile of x per program: read once, reduced along both dims.
-    mb = tl.program_id(0)
-    kb = tl.program_id(1)
-    offs_m = mb * _TILE + tl.arange(0, _TILE)
-    offs_k = kb * _TILE + tl.arange(0, _TILE)
-    mmask = offs_m < M
-    kmask = offs_k < K
-    mask = mmask[:, None] & kmask[None, :]
-    m64 = offs_m.to(tl.int64)
-    k64 = offs_k.to(tl.int64)
-    x = tl.load(x_ptr + m64[:, None] * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-    ax = tl.abs(x)
-
-    s_row = scale_from_amax(tl.max(ax, axis=1), POW2)
-    q_row = to_e4m3_bits(quantize_tile(x, s_row[:, None]), SOFT)
-    tl.store(q_ptr + m64[:, None] * K + offs_k[None, :], q_row, mask=mask)
-    tl.store(s_ptr + m64 * tl.cdiv(K, _TILE) + kb, s_row, mask=mmask)
-
-    s_col = scale_from_amax(tl.max(ax, axis=0), POW2)
-    q_col = to_e4m3_bits(quantize_tile(x, s_col[None, :]), SOFT)
-    tl.store(qt_ptr + k64[None, :] * M + offs_m[:, None], q_col, mask=mask)
-    tl.store(st_ptr + k64 * tl.cdiv(M, _TILE) + mb, s_col, mask=kmask)
 
 
 @triton.jit
@@ -480,34 +433,6 @@ def quantize_1x128_sorted(x_TD: torch.Tensor, sorted_slot_N: torch.Tensor, offse
     return q, s
 
 
-def quantize_dual(
-    x_MK: torch.Tensor, pow2_scales: bool = False
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Row copy (forward/dgrad) and column copy (wgrad) of x from one read of x.
-
-    Args:
-        x_MK: (M, K) bf16/fp16/fp32, contiguous; M, K any size (partial tiles masked).
-    Returns:
-        q_MK (M, K) e4m3, s_MKb (M, ceil(K/128)) fp32: 1 x 128 tiles, as :func:`quantize_1x128`.
-        qt_KM (K, M) e4m3, st_KMb (K, ceil(M/128)) fp32: 128 x 1 tiles of x stored transposed, so
-            ``x[m, k] ~= qt[k, m] * st[k, m // 128]``; equal to ``quantize_1x128(x.T)``.
-    """
-    _check_input(x_MK, 2, "x_MK")
-    M, K = x_MK.shape
-    dev = x_MK.device
-    q = torch.empty((M, K), device=dev, dtype=FP8)
-    s = torch.empty((M, triton.cdiv(K, TILE)), device=dev, dtype=torch.float32)
-    qt = torch.empty((K, M), device=dev, dtype=FP8)
-    st = torch.empty((K, triton.cdiv(M, TILE)), device=dev, dtype=torch.float32)
-    if M == 0 or K == 0:
-        return q, s, qt, st
-    _dual_kernel[(triton.cdiv(M, TILE), triton.cdiv(K, TILE))](
-        x_MK, q.view(torch.uint8), s, qt.view(torch.uint8), st, M, K,
-        POW2=pow2_scales, SOFT=interpreting(), num_warps=8,
-    )  # fmt: skip
-    return q, s, qt, st
-
-
 def quantize_cols_grouped(
     x: torch.Tensor,
     offsets_E1: torch.Tensor,
@@ -525,7 +450,7 @@ def quantize_cols_grouped(
     Args:
         x: (Nr, K) rows in expert-sorted order (e.g. dH), or with ``sorted_slot_N`` (Nr,) the
             (T, K) token rows gathered as ``x[sorted_slot_N[r] // top_k]`` (e.g. the layer input).
-        offsets_E1: (E+1,) int32 from :func:`kernels.moe.routing.sort_by_expert`.
+        offsets_E1: (E+1,) int32 from :func:`kernels.common.routing.sort_by_expert`.
         tiles: optional tile table for block_m = 128 (built if None).
         block_k, k_chunk, num_warps, stages: columns per step (default 32 on the GPU), columns per
             program (a multiple of block_k, swept block_k at a time), warps, and the depth to which
@@ -597,7 +522,7 @@ def quantize_weight_into(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, qt: 
                          st_col0: int = 0, pow2_scales: bool = False, round_bf16: bool = False,
                          num_warps: int = 16) -> None:
     """:func:`quantize_weight` of w (E, N, K) into given tensors, optionally also writing the
-    transposed layout in the same pass (one read of w: the expert weight cache's refresh).
+    transposed layout in the same pass (one read of w: the compute copies' refresh).
 
     Args:
         q, s: (E, N, K) e4m3 and (E, ceil(N/128), ceil(K/128)) fp32 outputs, contiguous.

@@ -11,7 +11,7 @@ DeepSeek-V3 prescribes: the FP8 tensor cores accumulate with ~14 mantissa bits, 
 128-long partial into fp32 registers bounds that error (Triton lowers each 128-K dot to a few
 wgmma steps).
 
-The schedule is the static tile table of :mod:`kernels.moe.routing` (no host sync): a 1-D grid
+The schedule is the static tile table of :mod:`kernels.common.routing` (no host sync): a 1-D grid
 of ``max_tiles * n_tiles`` programs, program -> (M-tile, N-tile), N-tile fastest; surplus tiles exit.
 
 Ops:
@@ -38,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.common.routing import max_tiles, tile_table
+from kernels.common.triton_utils import cast_out, expert_tile, m_tile_rows, n_tile_cols
 from kernels.fp8.blockwise import (
     FP8,
     TILE,
@@ -49,8 +51,6 @@ from kernels.fp8.blockwise import (
     scale_from_amax,
     to_e4m3_bits,
 )
-from kernels.triton_utils import cast_out, expert_tile, m_tile_rows, n_tile_cols
-from kernels.moe.routing import max_tiles, tile_table
 
 
 def _block_sizes(block_m: int | None, block_n: int | None) -> tuple[int, int]:
@@ -63,14 +63,16 @@ def _block_sizes(block_m: int | None, block_n: int | None) -> tuple[int, int]:
     return block_m or 64, block_n or 128
 
 
-def _check_fp8(t: torch.Tensor, ndim: int, name: str) -> None:
+def check_fp8(t: torch.Tensor, ndim: int, name: str) -> None:
+    """Raise unless ``t`` is a contiguous ``ndim``-D e4m3 tensor."""
     if t.dtype != FP8:
         raise TypeError(f"{name}: expected torch.float8_e4m3fn, got {t.dtype}")
     if t.dim() != ndim or not t.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous {ndim}-D tensor, got shape {tuple(t.shape)}")
 
 
-def _check_scales(s: torch.Tensor, shape: tuple[int, ...], name: str) -> None:
+def check_scales(s: torch.Tensor, shape: tuple[int, ...], name: str) -> None:
+    """Raise unless ``s`` is a contiguous fp32 tensor of ``shape``."""
     if s.dtype != torch.float32 or tuple(s.shape) != shape or not s.is_contiguous():
         raise ValueError(f"{name}: expected contiguous fp32 scales of shape {shape}, got {s.dtype} {tuple(s.shape)}")
 
@@ -138,12 +140,6 @@ def _load_b(b_ptrs, kb, K, offs_k, EVEN_K: tl.constexpr):
         return tl.load(b_ptrs)
     else:
         return tl.load(b_ptrs, mask=(offs_k + kb * 128 < K)[:, None], other=0.0)
-
-
-@triton.jit
-def _load_ab(a_ptrs, b_ptrs, kb, K, offs_k, EVEN_K: tl.constexpr):
-    """A's and B's 128-wide K block kb (pointers already at block kb)."""
-    return _load_a(a_ptrs, kb, K, offs_k, EVEN_K), _load_b(b_ptrs, kb, K, offs_k, EVEN_K)
 
 
 @triton.jit
@@ -363,13 +359,13 @@ def _tma_descriptor(t: torch.Tensor, rows: int, block_rows: int):
 def check_grouped_operands(a_q, a_s, b_q, b_s, offsets_E1, out_dtype, sorted_slot_N=None, out_slot_N=None,
                            slot_weights_N=None) -> tuple[int, int, int, int]:
     """Validate the operands of an M-grouped GEMM (see :func:`fp8_grouped_gemm`); returns (E, N, K, Nr)."""
-    _check_fp8(a_q, 2, "a_q")
-    _check_fp8(b_q, 3, "b_q")
+    check_fp8(a_q, 2, "a_q")
+    check_fp8(b_q, 3, "b_q")
     E, N, K = b_q.shape
     if a_q.shape[1] != K:
         raise ValueError(f"a_q has K = {a_q.shape[1]}, b_q has K = {K}")
-    _check_scales(a_s, (a_q.shape[0], triton.cdiv(K, TILE)), "a_s")
-    _check_scales(b_s, (E, triton.cdiv(N, TILE), triton.cdiv(K, TILE)), "b_s")
+    check_scales(a_s, (a_q.shape[0], triton.cdiv(K, TILE)), "a_s")
+    check_scales(b_s, (E, triton.cdiv(N, TILE), triton.cdiv(K, TILE)), "b_s")
     if offsets_E1.numel() != E + 1:
         raise ValueError(f"offsets_E1 has {offsets_E1.numel()} entries, expected E + 1 = {E + 1}")
     if out_dtype not in (torch.bfloat16, torch.float32):
@@ -413,9 +409,9 @@ def fp8_grouped_gemm(
         b_q: (E, N, K) e4m3 per-expert weights, K contiguous (pass a dgrad weight as a
             contiguous copy of ``q.mT``: the bytes need no requantization).
         b_s: (E, ceil(N/128), ceil(K/128)) fp32 128 x 128 block scales (:func:`blockwise.quantize_weight`).
-        offsets_E1: (E+1,) int32 expert row offsets (:func:`kernels.moe.routing.sort_by_expert`).
+        offsets_E1: (E+1,) int32 expert row offsets (:func:`kernels.common.routing.sort_by_expert`).
         sorted_slot_N: (Nr,) int32 or None (no gather).
-        tiles: optional tile table for ``block_m`` (:func:`kernels.moe.routing.tile_table`).
+        tiles: optional tile table for ``block_m`` (:func:`kernels.common.routing.tile_table`).
         out_slot_N: (Nr,) int32 or None: row r is stored at output row ``out_slot_N[r]`` instead
             of r (the MoE combine: expert-sorted row -> its (token, k) slot).
         slot_weights_N: (Nr,) fp32 or None (needs ``out_slot_N``): output row j is scaled by
@@ -490,16 +486,16 @@ def fp8_gate_up_swiglu(
         (None unless store_a); (a_q (Nr, F) e4m3, a_s (Nr, ceil(F/128)) fp32) if quantize_a else None.
         Rows r >= offsets_E1[E] are not written.
     """
-    _check_fp8(x_q, 2, "x_q")
-    _check_fp8(w1_q, 3, "w1_q")
-    _check_fp8(w3_q, 3, "w3_q")
+    check_fp8(x_q, 2, "x_q")
+    check_fp8(w1_q, 3, "w1_q")
+    check_fp8(w3_q, 3, "w3_q")
     T, D = x_q.shape
     E, F, _ = w1_q.shape
     if w1_q.shape != (E, F, D) or w3_q.shape != (E, F, D):
         raise ValueError(f"w1/w3 must be (E, F, D) with D = {D}: {tuple(w1_q.shape)}, {tuple(w3_q.shape)}")
-    _check_scales(x_s, (T, triton.cdiv(D, TILE)), "x_s")
+    check_scales(x_s, (T, triton.cdiv(D, TILE)), "x_s")
     for s, name in ((w1_s, "w1_s"), (w3_s, "w3_s")):
-        _check_scales(s, (E, triton.cdiv(F, TILE), triton.cdiv(D, TILE)), name)
+        check_scales(s, (E, triton.cdiv(F, TILE), triton.cdiv(D, TILE)), name)
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"out_dtype must be bf16 or fp32, got {out_dtype}")
     if not (store_a or quantize_a):
@@ -594,8 +590,8 @@ def _fp8_wgrad_kernel(
 
 def check_wgrad_operands(at_q, at_s, bt_q, bt_s, offsets_E1, out_dtype) -> tuple[int, int, int, int]:
     """Validate the wgrad operands (see :func:`fp8_wgrad`); returns (M, Ncol, E, n_tiles)."""
-    _check_fp8(at_q, 2, "at_q")
-    _check_fp8(bt_q, 2, "bt_q")
+    check_fp8(at_q, 2, "at_q")
+    check_fp8(bt_q, 2, "bt_q")
     M, ld = at_q.shape
     NCOL = bt_q.shape[0]
     if bt_q.shape[1] != ld:

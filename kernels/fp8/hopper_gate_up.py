@@ -1,5 +1,5 @@
 """The FP8 gate/up GEMM of the MoE op with its SwiGLU and 1 x 128 A-quantization epilogue, on the
-warp-specialized Hopper (sm_90a) engine of :mod:`kernels.fp8.hopper_grouped`.
+warp-specialized Hopper (sm_90a) engine of :mod:`kernels.fp8.gluon_base`.
 
     gate[r] = sum over kb of (a_q[r, kb] @ w1_q[e(r), :, kb].T) * a_s[r, kb] * w1_s[e(r), :, kb]   (up: w3)
     H[r] = [gate | up] (bf16), A = silu(gate) * up (rounded to bf16), A quantized 1 x 128 (e4m3 + fp32 scale)
@@ -7,15 +7,15 @@ warp-specialized Hopper (sm_90a) engine of :mod:`kernels.fp8.hopper_grouped`.
 the result of :func:`kernels.fp8.grouped_gemm.fp8_gate_up_swiglu` (``quantize_a=True, store_a=False``),
 bit for bit, for expert-sorted rows r whose A rows are already in expert order, so that both
 operands load by TMA: the op writes x's quantized rows there first
-(:func:`kernels.moe.mega_fp8.forward.gate_up`: ``quantize_1x128_sorted``, or ``gather_sorted_rows`` of
-the quantized rows and scales).
+(:func:`kernels.fp8.engine.expert_order_rows`: ``quantize_1x128_sorted``, or ``gather_sorted_rows``
+of the quantized rows and scales).
 
-The partitions are the grouped kernel's: a one-warp producer streams per K block the A tile and the
-expert's w1 and w3 tiles (TMA) with A's row scales and the two block scales (cp.async); two consumer
-warpgroups own 64 rows each and run gate's wgmma -> wait -> promote, then up's, while the other
-warpgroup's wgmmas run. Each consumer holds gate, up and one partial product: 3 x 64 registers. The
-epilogue works in the MMA's register layout (SwiGLU, the row amax over the tile's 128 columns, which
-are one scale block) and changes layout only to store.
+The partitions are the M-grouped kernels' (``hopper_grouped.py``): a one-warp producer streams per
+K block the A tile and the expert's w1 and w3 tiles (TMA) with A's row scales and the two block
+scales (cp.async); two consumer warpgroups own 64 rows each and run gate's wgmma -> wait -> promote,
+then up's, while the other warpgroup's wgmmas run. Each consumer holds gate, up and one partial
+product: 3 x 64 registers. The epilogue works in the MMA's register layout (SwiGLU, the row amax
+over the tile's 128 columns, which are one scale block) and changes layout only to store.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
+from kernels.common.routing import max_tiles
 from kernels.fp8.blockwise import TILE
-from kernels.fp8.grouped_gemm import _check_fp8, _check_scales
-from kernels.fp8.hopper_gemm import BLOCK_K, CONSUMER_REGS, MAXNREG, PRODUCER_REGS, _descriptor, allocate_ring
-from kernels.fp8.hopper_grouped import BLOCK_M, _grouped_producer, _tile_of, checked_tile_table
-from kernels.moe.routing import max_tiles
+from kernels.fp8.gluon_base import (BLOCK_K, CONSUMER_REGS, GROUPED_BLOCK_M, MAXNREG, PRODUCER_REGS, allocate_ring,
+                                    checked_tile_table, descriptor, grouped_producer, table_tile)
+from kernels.fp8.grouped_gemm import check_fp8, check_scales
 
 STAGES = 4  # 48 KiB of tiles a stage (A, w1, w3)
 E4M3_MAX = gl.constexpr(448.0)
@@ -78,37 +78,8 @@ def _epilogue(acc_g, acc_u, h_ptr, aq_ptr, as_out_ptr, row0, end, pid_n, F, POW2
 
 
 @gluon.jit
-def _epilogue_in_store_layout(acc_g, acc_u, h_ptr, aq_ptr, as_out_ptr, row0, end, pid_n, F, POW2: gl.constexpr,
-                              store_layout: gl.constexpr):
-    """:func:`_epilogue` with gate and up moved to the store layout first and the math done there
-    (two layout changes instead of three, the row amax across threads). Kept while the two are
-    timed against each other (``bench.hopper_gemm --gate-up-shapes``)."""
-    R: gl.constexpr = acc_g.type.shape[0]
-    C: gl.constexpr = acc_g.type.shape[1]
-    dtype: gl.constexpr = h_ptr.dtype.element_ty
-    gate = gl.convert_layout(acc_g.to(dtype), store_layout)
-    up = gl.convert_layout(acc_u.to(dtype), store_layout)
-    rows = row0 + gl.arange(0, R, gl.SliceLayout(1, store_layout))
-    cols = pid_n * C + gl.arange(0, C, gl.SliceLayout(0, store_layout))
-    rmask = rows < end
-    cmask = cols < F
-    mask = rmask[:, None] & cmask[None, :]
-    r64 = rows.to(gl.int64)
-    h_ptrs = h_ptr + r64[:, None] * (2 * F) + cols[None, :]
-    gl.store(h_ptrs, gate, mask=mask)
-    gl.store(h_ptrs + F, up, mask=mask)
-    g = gate.to(gl.float32)
-    act = (g / (1.0 + gl.exp(-g)) * up.to(gl.float32)).to(dtype).to(gl.float32)
-    act = gl.where(cmask[None, :], act, 0.0)
-    s = _scale_from_amax(gl.max(gl.abs(act), axis=1), POW2)
-    y = gl.minimum(gl.maximum(gl.div_rn(act, s[:, None]), -E4M3_MAX), E4M3_MAX)
-    gl.store(aq_ptr + r64[:, None] * F + cols[None, :], y.to(gl.float8e4nv), mask=mask)
-    gl.store(as_out_ptr + r64 * ((F + C - 1) // C) + pid_n, s, mask=rmask)
-
-
-@gluon.jit
 def _consumer(h_ptr, aq_ptr, as_out_ptr, offsets_ptr, table_ptr, a_bufs, b1_bufs, b3_bufs, as_bufs, bs_bufs, ready,
-              empty, num_tiles, F, K, POW2: gl.constexpr, MMA_EPILOGUE: gl.constexpr, WG: gl.constexpr):
+              empty, num_tiles, F, K, POW2: gl.constexpr, WG: gl.constexpr):
     TN: gl.constexpr = b1_bufs.type.shape[1]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     ROW0: gl.constexpr = WG * 64
@@ -122,7 +93,7 @@ def _consumer(h_ptr, aq_ptr, as_out_ptr, offsets_ptr, table_ptr, a_bufs, b1_bufs
     real = gl.load(table_ptr + 2 * num_tiles)
     it = 0
     for tile in range(gl.program_id(0), real * num_n, gl.num_programs(0)):
-        expert, row0, pid_n = _tile_of(tile, num_n, num_tiles, table_ptr)
+        expert, row0, pid_n = table_tile(tile, num_n, num_tiles, table_ptr)
         acc_g = gl.zeros([64, TN], gl.float32, mma)
         acc_u = gl.zeros([64, TN], gl.float32, mma)
         # Each K block's product (use_acc=False): created per tile, so it is not live across the epilogue.
@@ -143,42 +114,37 @@ def _consumer(h_ptr, aq_ptr, as_out_ptr, offsets_ptr, table_ptr, a_bufs, b1_bufs
             acc_u = acc_u + part * s3[:, None]
             it += 1
         end = gl.load(offsets_ptr + expert + 1)
-        if MMA_EPILOGUE:
-            _epilogue(acc_g, acc_u, h_ptr, aq_ptr, as_out_ptr, row0 + ROW0, end, pid_n, F, POW2, store_layout)
-        else:
-            _epilogue_in_store_layout(acc_g, acc_u, h_ptr, aq_ptr, as_out_ptr, row0 + ROW0, end, pid_n, F, POW2,
-                                      store_layout)
+        _epilogue(acc_g, acc_u, h_ptr, aq_ptr, as_out_ptr, row0 + ROW0, end, pid_n, F, POW2, store_layout)
 
 
 @gluon.jit
 def _worker(a_desc, b1_desc, b3_desc, h_ptr, aq_ptr, as_out_ptr, as_ptr, w1s_ptr, w3s_ptr, offsets_ptr, table_ptr,
             a_bufs, b1_bufs, b3_bufs, as_bufs, bs_bufs, ready, empty, num_tiles, NR, F, K, SA_R, SA_K,
-            POW2: gl.constexpr, MMA_EPILOGUE: gl.constexpr, ROLE: gl.constexpr):
+            POW2: gl.constexpr, ROLE: gl.constexpr):
     # Worker partitions share one signature: ROLE 0 loads, ROLE 1 is the second consumer warpgroup.
     if ROLE == 0:
-        _grouped_producer(a_desc, b1_desc, as_ptr, w1s_ptr, table_ptr, a_bufs, b1_bufs, as_bufs, bs_bufs, ready, empty,
-                          num_tiles, NR, F, K, SA_R, SA_K, b3_desc, w3s_ptr, b3_bufs)
+        grouped_producer(a_desc, b1_desc, as_ptr, w1s_ptr, table_ptr, a_bufs, b1_bufs, as_bufs, bs_bufs, ready, empty,
+                         num_tiles, NR, F, K, SA_R, SA_K, b3_desc, w3s_ptr, b3_bufs)
     else:
         _consumer(h_ptr, aq_ptr, as_out_ptr, offsets_ptr, table_ptr, a_bufs, b1_bufs, b3_bufs, as_bufs, bs_bufs,
-                  ready, empty, num_tiles, F, K, POW2, MMA_EPILOGUE, 1)
+                  ready, empty, num_tiles, F, K, POW2, 1)
 
 
 @gluon.jit
 def _fp8_gate_up_ws_kernel(a_desc, b1_desc, b3_desc, h_ptr, aq_ptr, as_out_ptr, as_ptr, w1s_ptr, w3s_ptr, offsets_ptr,
-                           table_ptr, num_tiles, NR, F, K, SA_R, SA_K, STAGES: gl.constexpr, POW2: gl.constexpr,
-                           MMA_EPILOGUE: gl.constexpr):
+                           table_ptr, num_tiles, NR, F, K, SA_R, SA_K, STAGES: gl.constexpr, POW2: gl.constexpr):
     # One ring with w1's tiles in its B slots and room for the two block scales; w3's tiles beside it.
     a_bufs, b1_bufs, as_bufs, bs_bufs, ready, empty = allocate_ring(a_desc, b1_desc, STAGES, 4)
     b3_bufs = gl.allocate_shared_memory(b1_desc.dtype, [STAGES] + b1_desc.block_type.shape, b1_desc.layout)
     gl.warp_specialize([
         (_consumer, (h_ptr, aq_ptr, as_out_ptr, offsets_ptr, table_ptr, a_bufs, b1_bufs, b3_bufs, as_bufs, bs_bufs,
-                     ready, empty, num_tiles, F, K, POW2, MMA_EPILOGUE, 0)),
+                     ready, empty, num_tiles, F, K, POW2, 0)),
         (_worker, (a_desc, b1_desc, b3_desc, h_ptr, aq_ptr, as_out_ptr, as_ptr, w1s_ptr, w3s_ptr, offsets_ptr,
                    table_ptr, a_bufs, b1_bufs, b3_bufs, as_bufs, bs_bufs, ready, empty, num_tiles, NR, F, K, SA_R,
-                   SA_K, POW2, MMA_EPILOGUE, 0)),
+                   SA_K, POW2, 0)),
         (_worker, (a_desc, b1_desc, b3_desc, h_ptr, aq_ptr, as_out_ptr, as_ptr, w1s_ptr, w3s_ptr, offsets_ptr,
                    table_ptr, a_bufs, b1_bufs, b3_bufs, as_bufs, bs_bufs, ready, empty, num_tiles, NR, F, K, SA_R,
-                   SA_K, POW2, MMA_EPILOGUE, 1)),
+                   SA_K, POW2, 1)),
     ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
@@ -191,16 +157,15 @@ def gate_up_supported(D: int, F: int, out_dtype: torch.dtype) -> bool:
 def fp8_gate_up_swiglu_ws(a_q: torch.Tensor, a_s: torch.Tensor, w1_q: torch.Tensor, w1_s: torch.Tensor,
                           w3_q: torch.Tensor, w3_s: torch.Tensor, offsets_E1: torch.Tensor,
                           out_dtype: torch.dtype = torch.bfloat16, tiles: torch.Tensor | None = None,
-                          pow2_scales: bool = False, *, stages: int = STAGES, mma_epilogue: bool = True):
+                          pow2_scales: bool = False, *, stages: int = STAGES):
     """Gate/up with the SwiGLU and A-quantization epilogue (sm_90 GPU) over expert-sorted e4m3 rows
     ``a_q`` (Nr, D) with 1 x 128 scales ``a_s`` (Nr, ceil(D/128)); w1_q, w3_q (E, F, D) e4m3 with
     128 x 128 block scales (E, F/128, ceil(D/128)). ``tiles``: ``tile_table(offsets_E1, Nr, 128)``
     (built when None). Returns (H (Nr, 2F), (A_q (Nr, F) e4m3, A_s (Nr, F/128) fp32)), as
-    :func:`kernels.fp8.grouped_gemm.fp8_gate_up_swiglu`; rows from offsets_E1[E] on are not written.
-    ``mma_epilogue`` False runs :func:`_epilogue_in_store_layout` (same results), for the benchmark."""
-    _check_fp8(a_q, 2, "a_q")
-    _check_fp8(w1_q, 3, "w1_q")
-    _check_fp8(w3_q, 3, "w3_q")
+    :func:`kernels.fp8.grouped_gemm.fp8_gate_up_swiglu`; rows from offsets_E1[E] on are not written."""
+    check_fp8(a_q, 2, "a_q")
+    check_fp8(w1_q, 3, "w1_q")
+    check_fp8(w3_q, 3, "w3_q")
     Nr, D = a_q.shape
     E, F, _ = w1_q.shape
     if tuple(w1_q.shape) != (E, F, D) or tuple(w3_q.shape) != (E, F, D):
@@ -209,24 +174,24 @@ def fp8_gate_up_swiglu_ws(a_q: torch.Tensor, a_s: torch.Tensor, w1_q: torch.Tens
         raise ValueError(f"fp8_gate_up_swiglu_ws needs D (={D}) a multiple of 16, F (={F}) a multiple of 128 and "
                          f"bf16 output (got {out_dtype}); kernels.fp8.grouped_gemm.fp8_gate_up_swiglu takes any")
     nkb = -(-D // TILE)
-    _check_scales(a_s, (Nr, nkb), "a_s")
-    _check_scales(w1_s, (E, F // TILE, nkb), "w1_s")
-    _check_scales(w3_s, (E, F // TILE, nkb), "w3_s")
+    check_scales(a_s, (Nr, nkb), "a_s")
+    check_scales(w1_s, (E, F // TILE, nkb), "w1_s")
+    check_scales(w3_s, (E, F // TILE, nkb), "w3_s")
     if offsets_E1.numel() != E + 1:
         raise ValueError(f"offsets_E1 has {offsets_E1.numel()} entries, expected E + 1 = {E + 1}")
     h = torch.empty((Nr, 2 * F), device=a_q.device, dtype=out_dtype)
     aq = torch.empty((Nr, F), device=a_q.device, dtype=torch.float8_e4m3fn)
     a_scales = torch.empty((Nr, F // TILE), device=a_q.device, dtype=torch.float32)
-    n_tiles = max_tiles(Nr, E, BLOCK_M)
+    n_tiles = max_tiles(Nr, E, GROUPED_BLOCK_M)
     if Nr == 0 or F == 0 or n_tiles == 0:
         return h, (aq, a_scales)
     tiles = checked_tile_table(tiles, offsets_E1, Nr, n_tiles)
-    a_desc = _descriptor(a_q, [BLOCK_M, TILE], gl.float8e4nv)
-    b1_desc = _descriptor(w1_q.view(E * F, D), [128, TILE], gl.float8e4nv)
-    b3_desc = _descriptor(w3_q.view(E * F, D), [128, TILE], gl.float8e4nv)
+    a_desc = descriptor(a_q, [GROUPED_BLOCK_M, TILE], gl.float8e4nv)
+    b1_desc = descriptor(w1_q.view(E * F, D), [128, TILE], gl.float8e4nv)
+    b3_desc = descriptor(w3_q.view(E * F, D), [128, TILE], gl.float8e4nv)
     sms = torch.cuda.get_device_properties(a_q.device).multi_processor_count
     programs = min(sms, n_tiles * (F // TILE))
     _fp8_gate_up_ws_kernel[(programs, )](a_desc, b1_desc, b3_desc, h, aq, a_scales, a_s, w1_s, w3_s, offsets_E1, tiles,
-                                         n_tiles, Nr, F, D, *a_s.stride(), stages, pow2_scales, mma_epilogue,
-                                         num_warps=4, maxnreg=MAXNREG)
+                                         n_tiles, Nr, F, D, *a_s.stride(), stages, pow2_scales, num_warps=4,
+                                         maxnreg=MAXNREG)
     return h, (aq, a_scales)

@@ -1,5 +1,5 @@
 """M-grouped block-scaled FP8 GEMM for Hopper (sm_90a), on the warp-specialized engine of
-:mod:`kernels.fp8.hopper_gemm`.
+:mod:`kernels.fp8.gluon_base`.
 
     out[r] = sum over 128-wide K blocks kb of (a_q[r, kb] @ b_q[e(r), :, kb].T) * a_s[r, kb] * b_s[e(r), :, kb]
 
@@ -9,10 +9,10 @@ scales, b (E, N, K) e4m3 with 128 x 128 block scales. It runs the MoE op's down 
 epilogue: row r is stored at output row ``out_slot[r]``, scaled by that slot's routing weight), the
 dX GEMM (the same scatter, unweighted) and dA' (plain rows, fp32, A gathered beforehand).
 
-The partitions are the dense kernel's: a one-warp producer streams each 128-row tile's A tile and
+The partitions are the engine's: a one-warp producer streams each 128-row tile's A tile and
 its expert's B tile (TMA) with their scales (cp.async) through a ring of stages, and two consumer
 warpgroups, each owning 64 rows of the 128 x 128 output tile, run wgmma -> wait -> promote
-independently. The M tiles come from the static tile table of :mod:`kernels.moe.routing` (device
+independently. The M tiles come from the static tile table of :mod:`kernels.common.routing` (device
 side, no host sync), which also holds the number of real tiles: the persistent loop visits only
 those, N tile fastest, so the programs running at once share a few A tiles and one expert's B.
 A tile's TMA box may reach into the next expert's rows or past the last row (zero-filled): those
@@ -28,64 +28,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
+from kernels.common.routing import max_tiles
 from kernels.fp8.blockwise import TILE
+from kernels.fp8.gluon_base import (BLOCK_K, CONSUMER_REGS, GROUPED_BLOCK_M, MAXNREG, PRODUCER_REGS, STAGES,
+                                    allocate_ring, checked_tile_table, descriptor, grouped_producer, table_tile)
 from kernels.fp8.grouped_gemm import check_grouped_operands
-from kernels.fp8.hopper_gemm import (BLOCK_K, CONSUMER_REGS, MAXNREG, PRODUCER_REGS, STAGES, _descriptor, allocate_ring,
-                                     load_stage)
-from kernels.moe.routing import max_tiles, tile_table
-
-BLOCK_M = 128  # rows per tile: the tile table must be built for it
-
-
-def checked_tile_table(tiles: torch.Tensor | None, offsets_E1: torch.Tensor, Nr: int, n_tiles: int) -> torch.Tensor:
-    """The 128-row tile table a grouped launcher reads: built from ``offsets_E1`` when ``tiles`` is
-    None, else the caller's, checked to be one of ``n_tiles`` (``max_tiles(Nr, E, 128)``) entries."""
-    if tiles is None:
-        return tile_table(offsets_E1, Nr, BLOCK_M)
-    if (tuple(tiles.shape) != (2, n_tiles) or not tiles.is_contiguous()
-            or tiles.untyped_storage().nbytes() < (tiles.storage_offset() + 2 * n_tiles + 1) * 4):
-        # The kernel also reads the real tile count stored right after the table.
-        raise ValueError(f"tiles (shape {tuple(tiles.shape)}) is not a table of 128-row tiles over {Nr} rows; "
-                         f"pass tile_table(offsets_E1, {Nr}, 128), which also stores the tile count after it")
-    return tiles
-
-
-@gluon.jit
-def _tile_of(tile, num_n, num_tiles, table_ptr):
-    """Persistent-loop index -> (expert, first row, N tile): M tile ``tile // num_n`` of the table."""
-    mt = tile // num_n
-    return gl.load(table_ptr + mt), gl.load(table_ptr + num_tiles + mt), tile % num_n
-
-
-@gluon.jit
-def _grouped_producer(a_desc, b_desc, as_ptr, bs_ptr, table_ptr, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty,
-                      num_tiles, NR, N, K, SA_R, SA_K, b2_desc=None, b2s_ptr=None, b2_bufs=None):
-    """Streams each K block of every (M tile, N tile) of this program: A and B tiles by TMA, the
-    tile's 128 row scales (strided rows of a_s) and its expert's one block scale by cp.async. With
-    ``b2_desc``, also a second B operand of the same shape (gate/up's w3) and its block scale (lane 1
-    of the scale copy; ``bs_bufs`` holds two scales a stage then)."""
-    TM: gl.constexpr = a_desc.block_type.shape[0]
-    TN: gl.constexpr = b_desc.block_type.shape[0]
-    vec: gl.constexpr = gl.BlockedLayout([TM // 32], [32], [1], [0])
-    num_n = (N + TN - 1) // TN
-    kb_count = (K + BLOCK_K - 1) // BLOCK_K
-    real = gl.load(table_ptr + 2 * num_tiles)
-    offs = gl.arange(0, TM, vec)
-    lane = gl.arange(0, 4, gl.BlockedLayout([1], [32], [1], [0]))
-    it = 0
-    for tile in range(gl.program_id(0), real * num_n, gl.num_programs(0)):
-        expert, row0, pid_n = _tile_of(tile, num_n, num_tiles, table_ptr)
-        rows = row0 + offs
-        for kb in range(kb_count):
-            if b2_desc is None:
-                bs_src, bs_mask = bs_ptr + (expert * num_n + pid_n) * kb_count + kb + lane, lane == 0
-            else:
-                scale = (expert * num_n + pid_n) * kb_count + kb
-                bs_src, bs_mask = gl.where(lane == 0, bs_ptr + scale, b2s_ptr + scale), lane < 2
-            load_stage(a_desc, b_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, it, row0,
-                       expert * N + pid_n * TN, kb * BLOCK_K, as_ptr + rows * SA_R + kb * SA_K, rows < NR,
-                       bs_src, bs_mask, b2_desc, b2_bufs)
-            it += 1
 
 
 @gluon.jit
@@ -135,7 +82,7 @@ def _grouped_consumer(out_ptr, slot_ptr, w_ptr, offsets_ptr, table_ptr, a_bufs, 
     part = gl.zeros([64, TN], gl.float32, mma)
     it = 0
     for tile in range(gl.program_id(0), real * num_n, gl.num_programs(0)):
-        expert, row0, pid_n = _tile_of(tile, num_n, num_tiles, table_ptr)
+        expert, row0, pid_n = table_tile(tile, num_n, num_tiles, table_ptr)
         acc = gl.zeros([64, TN], gl.float32, mma)
         for kb in range(kb_count):
             s = it % STAGES
@@ -157,8 +104,8 @@ def _grouped_worker(a_desc, b_desc, out_ptr, as_ptr, bs_ptr, slot_ptr, w_ptr, of
                     WEIGHTED: gl.constexpr, ROLE: gl.constexpr):
     # Worker partitions share one signature: ROLE 0 loads, ROLE 1 is the second consumer warpgroup.
     if ROLE == 0:
-        _grouped_producer(a_desc, b_desc, as_ptr, bs_ptr, table_ptr, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty,
-                          num_tiles, NR, N, K, SA_R, SA_K)
+        grouped_producer(a_desc, b_desc, as_ptr, bs_ptr, table_ptr, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty,
+                         num_tiles, NR, N, K, SA_R, SA_K)
     else:
         _grouped_consumer(out_ptr, slot_ptr, w_ptr, offsets_ptr, table_ptr, a_bufs, b_bufs, as_bufs, bs_bufs, ready,
                           empty, num_tiles, N, K, LDO, 1, SCATTER, WEIGHTED)
@@ -200,14 +147,14 @@ def fp8_grouped_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor,
         raise ValueError(f"fp8_grouped_gemm_ws needs K (={K}) a multiple of 16 (TMA rows); "
                          "kernels.fp8.grouped_gemm.fp8_grouped_gemm takes any K")
     out = torch.empty((Nr, N), device=a_q.device, dtype=out_dtype)
-    n_tiles = max_tiles(Nr, E, BLOCK_M)
+    n_tiles = max_tiles(Nr, E, GROUPED_BLOCK_M)
     if Nr == 0 or N == 0 or n_tiles == 0:
         return out
     if K == 0:
         return out.zero_()
     tiles = checked_tile_table(tiles, offsets_E1, Nr, n_tiles)
-    a_desc = _descriptor(a_q, [BLOCK_M, TILE], gl.float8e4nv)
-    b_desc = _descriptor(b_q.view(E * N, K), [128, TILE], gl.float8e4nv)
+    a_desc = descriptor(a_q, [GROUPED_BLOCK_M, TILE], gl.float8e4nv)
+    b_desc = descriptor(b_q.view(E * N, K), [128, TILE], gl.float8e4nv)
     sms = torch.cuda.get_device_properties(a_q.device).multi_processor_count
     programs = min(sms, n_tiles * triton.cdiv(N, 128))
     slot = out_slot_N if out_slot_N is not None else offsets_E1

@@ -1,5 +1,5 @@
 """K-grouped block-scaled FP8 weight-gradient GEMM for Hopper (sm_90a), on the warp-specialized engine
-of :mod:`kernels.fp8.hopper_gemm`.
+of :mod:`kernels.fp8.gluon_base`.
 
     dW[e] (M, Ncol) = sum over expert e's 128-token tiles t of (at_q[:, t] @ bt_q[:, t].T) * at_s[:, t] x bt_s[:, t]
 
@@ -9,7 +9,7 @@ aligned 128 columns (:func:`kernels.fp8.blockwise.quantize_cols_grouped`). Every
 operand has its own scale per token tile, so each tile's partial sum is promoted with the outer
 product of a row-scale and a column-scale vector.
 
-The partitions are the dense kernel's: a one-warp producer streams each token tile's A and B tiles
+The partitions are the engine's: a one-warp producer streams each token tile's A and B tiles
 (TMA) and both scale vectors (cp.async) through a ring of stages, and two consumer warpgroups, each
 owning 64 rows of the 128 x 128 output tile, run wgmma -> wait -> promote independently. A tile's
 K range is its expert's token tiles, read from device-side offsets (no host sync); an expert with
@@ -27,16 +27,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from kernels.fp8.blockwise import TILE, group_tile_offsets
+from kernels.fp8.gluon_base import (CONSUMER_REGS, MAXNREG, PRODUCER_REGS, STAGES, allocate_ring, descriptor,
+                                    load_stage, tile_coords)
 from kernels.fp8.grouped_gemm import check_wgrad_operands
-from kernels.fp8.hopper_gemm import (CONSUMER_REGS, MAXNREG, PRODUCER_REGS, STAGES, _descriptor, _tile_coords,
-                                     allocate_ring, load_stage)
 
 
 @gluon.jit
 def _expert_tile(tile, num_m, num_n, GROUP_M: gl.constexpr):
     """Output tile -> (expert, row tile, column tile): an expert's tiles are consecutive."""
     per_expert = num_m * num_n
-    pid_m, pid_n = _tile_coords(tile % per_expert, num_m, num_n, GROUP_M)
+    pid_m, pid_n = tile_coords(tile % per_expert, num_m, num_n, GROUP_M)
     return tile // per_expert, pid_m, pid_n
 
 
@@ -157,9 +157,9 @@ def fp8_wgrad_ws(at_q: torch.Tensor, at_s: torch.Tensor, bt_q: torch.Tensor, bt_
     out = torch.empty((E, M, NCOL), device=at_q.device, dtype=out_dtype)
     if out.numel() == 0:
         return out
-    a_desc = _descriptor(at_q, [128, TILE], gl.float8e4nv)
-    b_desc = _descriptor(bt_q, [128, TILE], gl.float8e4nv)
-    c_desc = _descriptor(out.view(E * M, NCOL), [64, 128], _GL_DTYPES[out_dtype])
+    a_desc = descriptor(at_q, [128, TILE], gl.float8e4nv)
+    b_desc = descriptor(bt_q, [128, TILE], gl.float8e4nv)
+    c_desc = descriptor(out.view(E * M, NCOL), [64, 128], _GL_DTYPES[out_dtype])
     tiles = E * triton.cdiv(M, 128) * triton.cdiv(NCOL, 128)
     sms = torch.cuda.get_device_properties(at_q.device).multi_processor_count
     _fp8_wgrad_kernel[(min(sms, tiles), )](a_desc, b_desc, c_desc, at_s, bt_s, group_tile_offsets(offsets_E1), E, M,

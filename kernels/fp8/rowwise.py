@@ -22,7 +22,7 @@ up to accumulation order. ``q = e4m3(clamp(x / s, -448, 448))``.
 torch 2.11 and 2.13: a row-major, b column-major, K and both of b's dims multiples of 16, rowwise
 scales fp32 of shapes (M, 1) and (1, N), bf16 output. :func:`scaled_mm_rowwise` zero-pads K
 (the token count in wgrad) to a multiple of 16; the features of a converted linear must be
-multiples of 16 already (``components/float8.py`` checks).
+multiples of 16 already (``components/precision/float8.py`` checks).
 
 How it reaches the compiler: the linear is one ``torch.library`` custom op (``fp8_rowwise::linear``)
 whose autograd formula calls a second one (``fp8_rowwise::linear_backward``), both opaque to
@@ -40,8 +40,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.common.triton_utils import interpreting
 from kernels.fp8.blockwise import quantize_tile, scale_from_amax_ref, to_e4m3_bits
-from kernels.triton_utils import interpreting
 from kernels.fp8.blockwise import scale_from_amax as _scale_from_amax_tl
 
 E4M3 = torch.float8_e4m3fn

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_utils import cast_out, interpreting
+from kernels.common.triton_utils import cast_out, interpreting
 
 
 @triton.jit

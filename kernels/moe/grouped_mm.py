@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.common.routing import sort_by_expert
 from kernels.moe import register_moe_backend
-from kernels.moe.routing import sort_by_expert
 
 
 def _probe_cpu_grouped_mm() -> bool:
@@ -88,7 +88,7 @@ def combine(out_RD: torch.Tensor, row_of_slot_N: torch.Tensor, topk_ids_TK: torc
 
 def route_by_expert(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(N,) int64 slot order sorted by expert (stable) and (E,) int32 cumulative row ends per expert:
-    :func:`~kernels.moe.routing.sort_by_expert` with its offsets in ``torch._grouped_mm``'s form.
+    :func:`~kernels.common.routing.sort_by_expert` with its offsets in ``torch._grouped_mm``'s form.
 
     Empty slots (id -1) sort last and are counted into the last expert's group: they are computed
     and then masked. That costs their FLOPs, but keeps every row inside a group, because

@@ -1,6 +1,6 @@
 """The ``grouped_mm_fp8`` MoE backend: ``grouped_mm`` with TorchTitan's FP8 expert GEMMs.
 
-``[moe] backend = "grouped_mm"`` with ``[quantize] moe = "fp8_rowwise"``. The method of
+``[moe] backend = "grouped_mm"`` with ``[precision] moe = "fp8_rowwise"``. The method of
 TorchTitan 0.2.2 + torchao (``torchao.prototype.moe_training``), written here in plain PyTorch:
 each of the three expert GEMMs (gate, up, down) is ``out = a @ w[e]^T`` over per-expert row groups
 and runs forward and backward as rowwise-scaled e4m3 ``torch._scaled_grouped_mm``:
@@ -34,10 +34,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.common.routing import sort_by_expert
 from kernels.moe import register_moe_backend
 from kernels.fp8.rowwise import ALIGN, E4M3, E4M3_MAX, quantize_rowwise, scale_from_amax
 from kernels.moe.grouped_mm import combine, grouped_mm
-from kernels.moe.routing import sort_by_expert
 
 FAST_ACCUM = True  # torchao's FP8 grouped GEMMs use fast accumulation forward and backward
 

@@ -8,68 +8,106 @@ Qwen3 has no shared experts.
 
 from __future__ import annotations
 
-import functools
 import math
+from typing import Protocol
 
 import torch
 import torch.nn as nn
 
-from kernels.moe import get_moe_backend
+from kernels.moe import BackendArgs, MoEBackend, get_moe_backend
 from models.moe.router import TokenChoiceTopKRouter
+
+
+class ExpertDispatch(Protocol):
+    """How a layer's tokens reach its experts and how the weights the experts compute with are made:
+    :class:`LocalDispatch` here, or ``parallelisms/expert_parallel.py``'s ``ExpertParallel``."""
+
+    def cast(self, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's parameters in the compute dtype (when there are no compute copies)."""
+
+    def gather(self, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The experts this rank computes, whole, from its compute-form weights."""
+
+    def __call__(self, backend: MoEBackend, args: BackendArgs, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor,
+                 topk_weights_TK: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor, w2_EDF: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(y_TD, dropped_E): the combined output and the slots per expert that did not fit."""
+
+
+class LocalDispatch:
+    """Every expert on this rank: the backend sees the layer's tokens as routed, nothing is dropped."""
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+
+    def cast(self, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # Autocast does not see through custom kernels: the backend gets the weights in its dtype.
+        if torch.is_autocast_enabled(weights[0].device.type):
+            dtype = torch.get_autocast_dtype(weights[0].device.type)
+            return tuple(w.to(dtype) for w in weights)
+        return weights
+
+    def gather(self, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return weights
+
+    def __call__(self, backend, args, x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF):
+        y_TD = backend(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, args)
+        return y_TD, torch.zeros(self.num_experts, dtype=torch.float32, device=x_TD.device)
 
 
 class GroupedExperts(nn.Module):
     """E SwiGLU experts in TorchTitan's layout: w1, w3 (E, F, D) and w2 (E, D, F).
 
-    With expert parallelism (``parallelisms/expert_parallel.py``) the weights are DTensors sharded
-    on the expert dim and ``expert_parallel`` carries tokens to the ranks owning their experts. Its
-    one-process proxy (``parallelisms/ep_proxy.py``) leaves E/P experts' weights and folds the slots
-    of all ``num_experts`` onto them.
+    What computes them is fixed before the first forward, at three seams:
 
-    ``compute_weights``, when the trainer sets it (``components/compute_weights.py``), replaces the
-    per-call bf16 cast / FP8 quantization of the weights with copies made once per optimizer step:
-    its ``weights(self)`` returns this rank's (w1, w3, w2) in compute form and its
-    ``backend_kwargs()`` what the backend takes besides (the FP8 op's pre-quantized weights).
+    - ``backend`` and ``args``: the registered function named by ``[moe] backend`` and the frozen
+      :class:`~kernels.moe.BackendArgs` it takes beyond the six tensors; given at construction.
+    - ``dispatch``: how the tokens reach the experts and how the weights are made whole
+      (:class:`ExpertDispatch`): :class:`LocalDispatch`, or expert parallelism's all-to-all and
+      weight gather, installed by ``parallelisms/expert_parallel.py`` (:meth:`parallelize`).
+    - ``copies``: this rank's weights in compute form (bf16, or the e4m3 copies the FP8 backend
+      reads through ``args.quantized``), made once per optimizer step by the precision step
+      (``components/precision``, :meth:`use_compute_copies`); None: the parameters, cast on every
+      call by the dispatch.
     """
 
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int, backend: str):
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, backend: str,
+                 args: BackendArgs = BackendArgs()):
         super().__init__()
         self.num_experts = num_experts
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
-        self.backend_name = backend
         self.backend = get_moe_backend(backend)
-        self.expert_parallel = None
-        self.compute_weights = None  # set by the trainer, after init (see the class docstring)
+        self.backend.check(args)
+        self.args = args
+        self.dispatch: ExpertDispatch = LocalDispatch(num_experts)
+        self.copies: nn.Module | None = None
 
     def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (y_TD, dropped_E): dropped_E counts slots that did not fit expert parallelism's
         static buffers (always zero without EP)."""
-        backend, copies = self.backend, self.compute_weights
-        if copies is not None:
-            # This rank's weights in compute form, made once per optimizer step.
-            w1_EFD, w3_EFD, w2_EDF = copies.weights(self)
-            if kwargs := copies.backend_kwargs():
-                backend = functools.partial(backend, **kwargs)
-            if self.expert_parallel is not None:
-                w1_EFD, w3_EFD, w2_EDF = (self.expert_parallel.gather_shards(w) for w in (w1_EFD, w3_EFD, w2_EDF))
-        elif self.expert_parallel is not None:
-            w1_EFD, w3_EFD, w2_EDF = (self.expert_parallel.gather_weight(w) for w in (self.w1, self.w3, self.w2))
-        else:
-            w1_EFD, w3_EFD, w2_EDF = self.w1, self.w3, self.w2
         if torch.is_autocast_enabled(x_TD.device.type):
-            # Autocast does not see through custom kernels: hand every backend the compute dtype
-            # (compute copies are in it already).
-            dtype = torch.get_autocast_dtype(x_TD.device.type)
-            x_TD = x_TD.to(dtype)
-            if copies is None:
-                w1_EFD, w2_EDF, w3_EFD = w1_EFD.to(dtype), w2_EDF.to(dtype), w3_EFD.to(dtype)
-        if self.expert_parallel is not None:
-            return self.expert_parallel(backend, x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF)
-        dropped_E = torch.zeros(self.num_experts, dtype=torch.float32, device=x_TD.device)
-        return backend(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF), dropped_E
+            # Autocast does not see through custom kernels: hand every backend the compute dtype.
+            x_TD = x_TD.to(torch.get_autocast_dtype(x_TD.device.type))
+        if self.copies is not None:
+            local = self.copies.weights(self)
+        else:
+            local = self.dispatch.cast(self.w1, self.w3, self.w2)
+        w1_EFD, w3_EFD, w2_EDF = self.dispatch.gather(*local)
+        return self.dispatch(self.backend, self.args, x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF)
+
+    def parallelize(self, dispatch: ExpertDispatch) -> None:
+        """Install the dispatch of a parallel layout (on the meta-device model, before compile)."""
+        self.dispatch = dispatch
+
+    def use_compute_copies(self, copies: nn.Module, args: BackendArgs) -> None:
+        """Compute with ``copies`` (a module whose ``weights(self)`` gives this rank's (w1, w3, w2) in
+        compute form) and the backend arguments that go with them (the precision step, last before
+        the first forward)."""
+        self.backend.check(args)
+        self.copies, self.args = copies, args
 
     def reset_parameters(self, init_std: float, out_init_std: float) -> None:
         nn.init.trunc_normal_(self.w1, mean=0.0, std=init_std)
@@ -79,10 +117,10 @@ class GroupedExperts(nn.Module):
 
 class MoE(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, norm_topk_prob: bool,
-                 backend: str, use_expert_bias: bool):
+                 backend: str, use_expert_bias: bool, backend_args: BackendArgs = BackendArgs()):
         super().__init__()
         self.router = TokenChoiceTopKRouter(dim, num_experts, top_k, norm_topk_prob, use_expert_bias)
-        self.experts = GroupedExperts(dim, hidden_dim, num_experts, backend)
+        self.experts = GroupedExperts(dim, hidden_dim, num_experts, backend, backend_args)
 
     def forward(self, x_BLD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (y_BLD, router_stats_3E): row 0 the routed-slot counts per expert (no gradient),

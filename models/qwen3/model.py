@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from kernels.moe import BackendArgs
 from models.loss import linear_cross_entropy
 from models.moe.moe import MoE, depth_init_std
 from models.moe.router import router_aux_loss
@@ -119,14 +120,14 @@ class Attention(nn.Module):
 
 class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: Qwen3MoEArgs, moe_backend: str, use_expert_bias: bool,
-                 attention_backend: str = "auto"):
+                 attention_backend: str = "auto", moe_args: BackendArgs = BackendArgs()):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args, attention_backend)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.moe = MoE(args.dim, args.moe_inter_dim, args.num_experts, args.top_k, args.norm_topk_prob,
-                       moe_backend, use_expert_bias)
+                       moe_backend, use_expert_bias, moe_args)
 
     def forward(self, h_BLD: torch.Tensor, cos_Ld: torch.Tensor, sin_Ld: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,13 +163,15 @@ class TransformerBlock(nn.Module):
 
 class Qwen3MoE(nn.Module):
     def __init__(self, args: Qwen3MoEArgs, moe_backend: str = "grouped_mm", use_expert_bias: bool = False,
-                 attention_backend: str = "auto"):
+                 attention_backend: str = "auto", moe_args: BackendArgs = BackendArgs()):
+        """``moe_backend`` and ``moe_args``: every layer's experts' backend and its arguments
+        (``kernels/moe/__init__.py``)."""
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A ModuleDict keyed by index keeps FQNs stable when blocks are wrapped (AC, compile, FSDP).
         self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(i, args, moe_backend, use_expert_bias, attention_backend)
+            {str(i): TransformerBlock(i, args, moe_backend, use_expert_bias, attention_backend, moe_args)
              for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
@@ -185,8 +188,8 @@ class Qwen3MoE(nn.Module):
         the logits, computed chunk by chunk so the (B, L, V) logits never exist
         (``models/loss.py``). It is computed here, inside the model, so that FSDP has gathered
         the output weight (it is sharded together with the final norm). The weight is the output
-        head's ``compute_weight`` when the trainer gave it one (a bf16 copy,
-        ``components/compute_weights.py``), else its parameter."""
+        head's ``compute_weight`` when the precision step gave it one (its bf16 compute copy,
+        ``components/precision``), else its parameter."""
         L = tokens_BL.shape[1]
         if L > self.args.max_seq_len:
             raise ValueError(f"sequence length {L} exceeds max_seq_len {self.args.max_seq_len}")

@@ -31,12 +31,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.common.routing import gather_sorted_rows, tile_table
+from kernels.common.tiles import TileConfig, launch_options, m_tiled_launch
+from kernels.common.triton_utils import (expert_tile, interpreting, launch_flags, load_k, m_tile_rows, mma, n_tile_cols,
+                                         num_work)
 from kernels.moe.combine import combine_slots, sum_over_k, valid_slots
 from kernels.moe.grouped_mm import grouped_mm
-from kernels.moe.mega.configs import MegaMoEConfigs, TileConfig, get_configs
-from kernels.moe.routing import gather_sorted_rows, tile_table
-from kernels.triton_utils import (expert_tile, interpreting, launch_flags, launch_options, load_k, m_tile_rows,
-                                  m_tiled_launch, mma, n_tile_cols, num_work)
+from kernels.moe.mega.configs import MegaMoEConfigs, get_configs
 
 
 @triton.jit

@@ -1,12 +1,13 @@
 """Tile configurations of the mega-MoE kernels, chosen per problem shape from a small table.
 
 Each Triton kernel of the op takes its block sizes, warps and pipeline stages from a
-:class:`TileConfig`. :func:`get_configs` returns the default :class:`MegaMoEConfigs` for a shape
-``(D, F, E)`` and dtype; :func:`~kernels.moe.mega.forward.moe_forward` and
-:func:`~kernels.moe.mega.backward.moe_backward` take a ``configs`` argument, through which the
-benchmark (``bench/mega_moe_gpu.py``) times alternatives, so that the table below can be updated
-from measurements on the H200 without touching the kernels. The configs are frozen values passed
-down explicitly; nothing here is process state.
+:class:`~kernels.common.tiles.TileConfig`. :func:`get_configs` returns the default
+:class:`MegaMoEConfigs` for a shape ``(D, F, E)`` and dtype;
+:func:`~kernels.moe.mega.forward.moe_forward` and :func:`~kernels.moe.mega.backward.moe_backward`
+take a ``configs`` argument, through which the benchmark (``bench/mega_moe_gpu.py``) times
+alternatives, so that the table below can be updated from measurements on the H200 without
+touching the kernels. The configs are frozen values passed down explicitly; nothing here is
+process state.
 
 Kernel names (the keys of :class:`MegaMoEConfigs`):
 
@@ -27,21 +28,8 @@ import dataclasses
 
 import torch
 
-from kernels.triton_utils import interpreting
-
-
-@dataclasses.dataclass(frozen=True)
-class TileConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int = 8
-    num_stages: int = 3
-    # dh only: 2 runs its SwiGLU-backward epilogue one column half at a time (fewer live registers).
-    epilogue_split: int = 1
-    # M-tiled kernels only: p > 0 launches p programs per SM that loop over the tiles, with the tile
-    # loop flattened so the next tile's loads overlap this tile's epilogue; 0 = one program per tile.
-    persistent: int = 0
+from kernels.common.tiles import TileConfig
+from kernels.common.triton_utils import interpreting
 
 
 @dataclasses.dataclass(frozen=True)

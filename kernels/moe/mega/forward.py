@@ -5,7 +5,7 @@
     Ybuf[slot] = s[slot] * A_NF[r] @ w2[e]^T                         (slot = sorted_slot[r])
     y[t]       = sum_k Ybuf[t*K + k]                                 (fp32, fixed order)
 
-Both GEMMs are grouped over experts by the tile table of :mod:`kernels.moe.routing`: a 1-D
+Both GEMMs are grouped over experts by the tile table of :mod:`kernels.common.routing`: a 1-D
 grid of ``max_tiles * n_tiles`` programs, program -> (M-tile, N-tile) with the N-tile fastest so
 that programs running together share their gathered A rows and their expert's weights in L2.
 x rows are gathered by token index inside the A-operand load; no N x D copy of x is made.
@@ -17,10 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.common.routing import sort_by_expert, tile_table
+from kernels.common.tiles import TileConfig, m_tiled_launch
+from kernels.common.triton_utils import launch_flags, load_k, m_tile_rows, mma, n_tile_cols, num_work
 from kernels.moe.combine import combine_slots
-from kernels.moe.mega.configs import MegaMoEConfigs, TileConfig, get_configs
-from kernels.moe.routing import sort_by_expert, tile_table
-from kernels.triton_utils import launch_flags, load_k, m_tile_rows, m_tiled_launch, mma, n_tile_cols, num_work
+from kernels.moe.mega.configs import MegaMoEConfigs, get_configs
 
 
 @triton.jit

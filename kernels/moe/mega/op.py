@@ -14,10 +14,10 @@ N x D. See ``forward.py`` and ``backward.py`` for the kernels.
 
 import torch
 
+from kernels.common.triton_utils import interpreting
 from kernels.moe import register_moe_backend
 from kernels.moe.mega.backward import moe_backward
 from kernels.moe.mega.forward import moe_forward
-from kernels.triton_utils import interpreting
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _Tensors4 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]

@@ -11,10 +11,11 @@ With g, u the gate/up halves of H (saved by the forward, expert-sorted rows r, s
     dXbuf[slot] = [dgate | dup] @ [w1[e]; w3[e]];  dx[t] = sum_k dXbuf   fp8_grouped_gemm over
                                                                          K = 2F, scatter epilogue
     dW1[e] = dgate_e^T @ x_e, dW3[e] = dup_e^T @ x_e, dW2[e] = dy_e^T @ (s * A)_e
-        wgrad="fp8":  fp8_wgrad on operands quantized 128 x 1 along each expert's rows
-                      (quantize_cols_grouped; x and dy gathered by token in that pass), one
-                      zero-filled 128-column block per tile
-        wgrad="bf16": the bf16 mega kernels ``dw13`` / ``dw2`` on dH, x, dy, s * A
+                  fp8_wgrad on operands quantized 128 x 1 along each expert's rows
+                  (quantize_cols_grouped; x and dy gathered by token in that pass), one
+                  zero-filled 128-column block per tile
+
+Each GEMM runs on the engine the caller resolved (``kernels/fp8/engine.py``).
 
 dA' is its own GEMM and the SwiGLU backward its own memory-bound kernel: fused into one kernel, the
 GEMM's and the epilogue's tiles are live at once (registers spill, one CTA per SM), which was slower.
@@ -34,27 +35,21 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8.grouped_gemm import fp8_grouped_gemm, fp8_wgrad
+from kernels.common.routing import max_tiles, tile_table
+from kernels.common.triton_utils import cast_out, interpreting, tile_rows
+from kernels.fp8 import engine as fp8_engine
 from kernels.fp8.blockwise import (
     FP8,
     TILE,
-    interpreting,
     quantize_cols_grouped,
-    quantize_1x128,
     quantize_tile,
     quantize_weight_into,
     scale_from_amax,
     to_e4m3_bits,
 )
-from kernels.moe.mega.backward import dw13, dw2
 from kernels.moe.combine import combine_slots, valid_slots
-from kernels.triton_utils import cast_out, tile_rows
-from kernels.moe.mega.configs import get_configs
-from kernels.moe.routing import max_tiles, tile_table
-from kernels.moe.mega_fp8.forward import expert_order_rows, gemm_blocks, grouped_gemm
+from kernels.moe.mega_fp8.forward import gemm_blocks
 from kernels.moe.mega_fp8.weights import QuantizedExpertWeights
-
-WGRAD_PRECISIONS = ("fp8", "bf16")
 
 # Rows per program of the dH epilogue kernel (memory-bound; ~6 fp32 tiles of 128 columns live).
 DH_EPILOGUE_BLOCK_M = 32
@@ -178,9 +173,10 @@ def dh_swiglu(
     """FP8 dA' = dy_gathered @ w2[e] with the SwiGLU backward and the routing-weight grad as epilogue.
 
     Args:
-        dy_q, dy_s: (T, D) e4m3 and (T, ceil(D/128)) fp32, 1 x 128 tiles (``quantize_1x128(dy)``);
-            on the Gluon engine (N, D) and (N, ceil(D/128)), in expert order
-            (``forward.expert_order_rows``), as its dA' GEMM loads them by TMA.
+        dy_q, dy_s: dy's 1 x 128 quantization in the layout ``engine`` reads
+            (``kernels/fp8/engine.quantize_routed_rows``): (T, D) e4m3 and (T, ceil(D/128)) fp32 on
+            Triton (``quantize_1x128(dy)``); on Gluon (N, D) and (N, ceil(D/128)) in expert order,
+            as its dA' GEMM loads them by TMA.
         w2t_q, w2t_s: (E, F, D) e4m3 and (E, ceil(F/128), ceil(D/128)) fp32: w2's quantized bytes
             and block scales transposed (``q.mT``, ``s.mT``, contiguous).
         h_N2F: (N, 2F) [gate | up] from the forward; topk_weights_TK: (T, K) fp32.
@@ -209,13 +205,9 @@ def dh_swiglu(
     ds_part_PN = torch.empty((FB, N), device=dev, dtype=torch.float32)
     if N == 0:
         return dh_N2F, (dh_q, dh_s), ds_part_PN.sum(0).view(T, K), sa_NF
-    if engine == "gluon":
-        # dy's rows already in expert order; rows past the experts' are never read.
-        da_NF = grouped_gemm(dy_q, dy_s, w2t_q, w2t_s, offsets_E1, torch.float32, engine)
-    else:
-        gbm, _ = gemm_blocks()
-        da_NF = fp8_grouped_gemm(dy_q, dy_s, w2t_q, w2t_s, offsets_E1, sorted_slot_N, K, out_dtype=torch.float32,
-                                 block_m=gbm, block_n=TILE)
+    gbm, _ = gemm_blocks()
+    da_NF = fp8_engine.gathered_grouped_gemm(dy_q, dy_s, w2t_q, w2t_s, sorted_slot_N, offsets_E1, K, torch.float32,
+                                             engine=engine, block_m=gbm, block_n=TILE)
     ebm = 16 if interpreting() else DH_EPILOGUE_BLOCK_M
     e_tiles = max_tiles(N, E, ebm)
     _dh_from_da_kernel[(e_tiles * FB,)](
@@ -231,17 +223,6 @@ def _wgrad_blocks() -> tuple[int | None, int | None]:
     """fp8_wgrad's (block_m, block_n): its defaults on the GPU; whole 128 x 128 output tiles under
     the interpreter, whose cost is per program."""
     return (128, 128) if interpreting() else (None, None)
-
-
-def _wgrad(at_q, at_s, bt_q, bt_s, offsets_E1, out_dtype, engine: str) -> torch.Tensor:
-    """fp8_wgrad on the chosen engine; the Gluon kernel where it takes the sizes."""
-    if engine == "gluon":
-        from kernels.fp8.hopper_wgrad import fp8_wgrad_ws, wgrad_supported  # Gluon: imported where it runs
-
-        if wgrad_supported(at_q.shape[0], bt_q.shape[0], out_dtype):
-            return fp8_wgrad_ws(at_q, at_s, bt_q, bt_s, offsets_E1, out_dtype)
-    bm, bn = _wgrad_blocks()
-    return fp8_wgrad(at_q, at_s, bt_q, bt_s, offsets_E1, out_dtype, bm, bn)
 
 
 def _transposed(q: torch.Tensor) -> torch.Tensor:
@@ -284,26 +265,16 @@ def dx_weight(w1_EFD: torch.Tensor, w3_EFD: torch.Tensor, pow2_scales: bool = Fa
 
 
 def moe_fp8_backward(
-    dy_TD: torch.Tensor,
-    x_TD: torch.Tensor,
-    topk_weights_TK: torch.Tensor,
-    w1_EFD: torch.Tensor,
-    w3_EFD: torch.Tensor,
-    w2_EDF: torch.Tensor,
-    h_N2F: torch.Tensor,
-    sorted_slot_N: torch.Tensor,
-    offsets_E1: torch.Tensor,
-    wgrad: str = "fp8",
-    pow2_scales: bool = False,
-    quantized: QuantizedExpertWeights | None = None,
-    engine: str = "triton",
+    dy_TD: torch.Tensor, x_TD: torch.Tensor, topk_weights_TK: torch.Tensor,  # the gradient, the layer's inputs
+    w1_EFD: torch.Tensor, w3_EFD: torch.Tensor, w2_EDF: torch.Tensor,
+    h_N2F: torch.Tensor, sorted_slot_N: torch.Tensor, offsets_E1: torch.Tensor,  # saved by the forward
+    pow2_scales: bool = False, quantized: QuantizedExpertWeights | None = None, engine: str = "triton",
     write_empty_rows: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the FP8 backward. ``engine`` ("gluon" or "triton", resolved by the caller:
-    ``kernels/fp8/engine.py``) runs the weight-gradient GEMMs, the dX GEMM and dA' (see
-    :func:`grouped_gemm`). Inputs contiguous, dy/x bf16, routing weights fp32; the weights
-    bf16, or of any float dtype when ``quantized`` holds their e4m3 copies (then only their shapes
-    and dtypes are read).
+    """Launch the FP8 backward. ``engine`` ("gluon" or "triton", resolved by the caller) runs the
+    weight-gradient GEMMs, the dX GEMM and dA' (``kernels/fp8/engine.py``). Inputs contiguous, dy/x
+    bf16, routing weights fp32; the weights bf16, or of any float dtype when ``quantized`` holds
+    their e4m3 copies (then only their shapes and dtypes are read).
     Empty slots (expert id -1) get zero gradients; an expert with no rows gets zero weight grads.
     Only rows of dy and x with a routed slot are read; ``write_empty_rows`` False leaves dx's rows of
     tokens with none undefined.
@@ -311,19 +282,15 @@ def moe_fp8_backward(
     Returns:
         dx_TD (x's dtype), dw1_EFD, dw3_EFD, dw2_EDF (each in its weight's dtype), dtopk_weights_TK (fp32).
     """
-    if wgrad not in WGRAD_PRECISIONS:
-        raise ValueError(f"mega_fp8: wgrad must be one of {WGRAD_PRECISIONS}, got {wgrad!r}")
     T, K = topk_weights_TK.shape
-    E, F, D = w1_EFD.shape
+    F = w1_EFD.shape[1]
     N = T * K
     # Empty slots' rows lie past every expert's tiles: skipped in the sum, zeroed in ds, and dy rows
     # of tokens with no valid slot (expert parallelism's empty rows) are never gathered.
     valid_N = valid_slots(sorted_slot_N, offsets_E1)
     # The Gluon dA' GEMM reads dy's rows in expert order, as the forward's gate/up reads x's.
-    if engine == "gluon":
-        dy_q, dy_s = expert_order_rows(dy_TD, valid_N.view(T, K), sorted_slot_N, offsets_E1, pow2_scales)
-    else:
-        dy_q, dy_s = quantize_1x128(dy_TD, pow2_scales, valid_N.view(T, K))
+    dy_q, dy_s = fp8_engine.quantize_routed_rows(dy_TD, valid_N.view(T, K), sorted_slot_N, offsets_E1, pow2_scales,
+                                                 engine=engine)
     if quantized is None:
         w2t_q, w2t_s = transposed_weight(w2_EDF, pow2_scales)
     else:
@@ -339,29 +306,28 @@ def moe_fp8_backward(
         w13t_q, w13t_s = dx_weight(w1_EFD, w3_EFD, pow2_scales)
     else:
         w13t_q, w13t_s = quantized.w13t_q, quantized.w13t_s
-    dxbuf_ND = grouped_gemm(dh_q, dh_s, w13t_q, w13t_s, offsets_E1, x_TD.dtype, engine, out_slot_N=sorted_slot_N)
+    bm, bn = gemm_blocks()
+    dxbuf_ND = fp8_engine.grouped_gemm(dh_q, dh_s, w13t_q, w13t_s, offsets_E1, x_TD.dtype, engine=engine, block_m=bm,
+                                       block_n=bn, out_slot_N=sorted_slot_N)
     del dh_q, dh_s, w13t_q, w13t_s
     dx_TD = combine_slots(dxbuf_ND, T, K, sorted_slot_N, offsets_E1, valid_N, write_empty_rows)
     del dxbuf_ND
     ds_TK = torch.where(valid_N.view(T, K) != 0, ds_TK, 0.0)
 
-    if wgrad == "bf16":
-        configs = get_configs(D, F, E, x_TD.dtype)
-        dw1_EFD, dw3_EFD = dw13(x_TD, dh_N2F, sorted_slot_N, offsets_E1, E, K, configs.dw13)
-        dw2_EDF = dw2(dy_TD, h_N2F, topk_weights_TK, sa_NF, sorted_slot_N, offsets_E1, E, configs.dw2)
-        # The bf16 kernels write x's dtype; float32 master weights (cached copies) take float32.
-        return (dx_TD, dw1_EFD.to(w1_EFD.dtype), dw3_EFD.to(w3_EFD.dtype), dw2_EDF.to(w2_EDF.dtype), ds_TK)
-
-    # FP8 wgrad: both operands quantized along the reduction (token) dim in 128-row blocks of one
-    # expert. dH's 2F columns are quantized in one pass; its gate and dup halves are contiguous row
+    # Weight gradients: both operands quantized along the reduction (token) dim in 128-row blocks of
+    # one expert. dH's 2F columns are quantized in one pass; its gate and dup halves are contiguous row
     # ranges of the transposed copy, so dW1 and dW3 are two GEMMs with no slicing copy.
     xt_q, xt_s = quantize_cols_grouped(x_TD, offsets_E1, sorted_slot_N, K, pow2_scales, tiles128)
     dht_q, dht_s = quantize_cols_grouped(dh_N2F, offsets_E1, None, 1, pow2_scales, tiles128)
     del dh_N2F
-    dw1_EFD = _wgrad(dht_q[:F], dht_s[:F], xt_q, xt_s, offsets_E1, w1_EFD.dtype, engine)
-    dw3_EFD = _wgrad(dht_q[F:], dht_s[F:], xt_q, xt_s, offsets_E1, w3_EFD.dtype, engine)
+    wbm, wbn = _wgrad_blocks()
+    dw1_EFD = fp8_engine.wgrad(dht_q[:F], dht_s[:F], xt_q, xt_s, offsets_E1, w1_EFD.dtype, engine=engine, block_m=wbm,
+                               block_n=wbn)
+    dw3_EFD = fp8_engine.wgrad(dht_q[F:], dht_s[F:], xt_q, xt_s, offsets_E1, w3_EFD.dtype, engine=engine, block_m=wbm,
+                               block_n=wbn)
     del xt_q, xt_s, dht_q, dht_s
     dyt_q, dyt_s = quantize_cols_grouped(dy_TD, offsets_E1, sorted_slot_N, K, pow2_scales, tiles128)
     sat_q, sat_s = quantize_cols_grouped(sa_NF, offsets_E1, None, 1, pow2_scales, tiles128)
-    dw2_EDF = _wgrad(dyt_q, dyt_s, sat_q, sat_s, offsets_E1, w2_EDF.dtype, engine)
+    dw2_EDF = fp8_engine.wgrad(dyt_q, dyt_s, sat_q, sat_s, offsets_E1, w2_EDF.dtype, engine=engine, block_m=wbm,
+                               block_n=wbn)
     return dx_TD, dw1_EFD, dw3_EFD, dw2_EDF, ds_TK

@@ -13,14 +13,14 @@ autograd formula, so ``torch.compile(fullgraph=True)`` sees the layer as one nod
 Saved for backward, as in the bf16 op: x, the routing weights, the three weights, H = [gate | up]
 (N x 2F bf16) and the routing metadata. The weights' e4m3 copies are made per call (forward and
 again in the backward), or once per optimizer step by the caller and passed as ``quantized``
-(:class:`~kernels.moe.mega_fp8.weights.QuantizedExpertWeights`; ``components/compute_weights.py``
+(:class:`~kernels.moe.mega_fp8.weights.QuantizedExpertWeights`; ``components/precision/copies.py``
 does this in training), in which case the weights themselves are only gradient carriers: they may
 be the float32 master weights, whose gradients the kernels then write in float32 directly.
 
 Options (:class:`MegaFP8Options`, passed per call as ``options=``; the defaults when None):
-``wgrad`` "fp8" or "bf16" for the weight gradients, ``pow2_scales`` to round every scale up to a
-power of two, ``engine`` the FP8 GEMM engine (``kernels/fp8/engine.py``). The custom ops take them as plain arguments, and the autograd formula hands the
-forward's to the backward.
+``pow2_scales`` to round every scale up to a power of two, ``engine`` the FP8 GEMM engine
+(``kernels/fp8/engine.py``). The custom ops take them as plain arguments, and the autograd formula
+hands the forward's to the backward.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from kernels.moe import register_moe_backend
 from kernels.moe.mega.op import _backward_fake as _bf16_backward_fake
 from kernels.moe.mega.op import _check_device, _check_inputs
 from kernels.moe.mega.op import _forward_fake as _bf16_forward_fake
-from kernels.moe.mega_fp8.backward import WGRAD_PRECISIONS, moe_fp8_backward
+from kernels.moe.mega_fp8.backward import moe_fp8_backward
 from kernels.moe.mega_fp8.forward import moe_fp8_forward
 from kernels.moe.mega_fp8.weights import QuantizedExpertWeights
 
@@ -46,25 +46,17 @@ _Tensors5 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.
 class MegaFP8Options:
     """Knobs of the ``mega_fp8`` backend.
 
-    wgrad: "fp8" (default) computes dW1, dW3, dW2 with ``kernels.fp8.grouped_gemm.fp8_wgrad`` on
-        operands quantized 128 x 1 along each expert's tokens; "bf16" runs the bf16 mega kernels (``dw13``,
-        ``dw2``) on the unquantized dH, x, dy and s * A (the weight gradients then carry only the
-        error of the FP8 dgrad that produced dH). The bf16 path is slower but keeps the FP8
-        rounding out of the weight gradients: a numerical choice, not a speed one.
     pow2_scales: round every scale up to a power of two (rescaling is exact; a tile's largest
         value then maps into [224, 448] instead of to 448).
-    engine: "auto" (default), "gluon" or "triton": the kernels of the FP8 GEMMs that have a
-        warp-specialized Gluon version (``kernels/fp8/engine.py``): the weight gradients and the
-        down, dX and dA' GEMMs (``forward.grouped_gemm``); the gate/up GEMM runs on Triton.
+    engine: "auto" (default), "gluon" or "triton": the kernels of the FP8 GEMMs, all of which have
+        a warp-specialized Gluon version (``kernels/fp8/engine.py``): gate/up, down, dX, dA' and the
+        weight gradients.
     """
 
-    wgrad: str = "fp8"
     pow2_scales: bool = False
     engine: str = "auto"
 
     def __post_init__(self):
-        if self.wgrad not in WGRAD_PRECISIONS:
-            raise ValueError(f"MegaFP8Options.wgrad must be one of {WGRAD_PRECISIONS}, got {self.wgrad!r}")
         if self.engine not in ENGINES:
             raise ValueError(f"MegaFP8Options.engine must be one of {ENGINES}, got {self.engine!r}")
 
@@ -77,14 +69,13 @@ def _forward_op(
     w1_EFD: torch.Tensor,
     w3_EFD: torch.Tensor,
     w2_EDF: torch.Tensor,
-    wgrad: str,
     pow2_scales: bool,
     engine: str,
     write_empty_rows: bool,
     wq: list[torch.Tensor],
 ) -> _Tensors4:
-    """Returns (y_TD, h_N2F, sorted_slot_N int32, offsets_E1 int32); ``wgrad`` is for the backward;
-    ``wq`` the weights' e4m3 copies (``QuantizedExpertWeights.tensors()``) or empty."""
+    """Returns (y_TD, h_N2F, sorted_slot_N int32, offsets_E1 int32); ``wq`` the weights' e4m3 copies
+    (``QuantizedExpertWeights.tensors()``) or empty."""
     _check_device(x_TD)
     return moe_fp8_forward(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, pow2_scales,
                            _quantized(wq, pow2_scales), resolve_engine(engine, x_TD.device), write_empty_rows)
@@ -95,8 +86,8 @@ def _quantized(wq: list[torch.Tensor], pow2_scales: bool) -> QuantizedExpertWeig
 
 
 @_forward_op.register_fake
-def _forward_fake(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, wgrad, pow2_scales, engine,
-                  write_empty_rows, wq):
+def _forward_fake(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, pow2_scales, engine, write_empty_rows,
+                  wq):
     # Outputs of the bf16 op's shapes and dtypes.
     return _bf16_forward_fake(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, write_empty_rows)
 
@@ -112,7 +103,6 @@ def _backward_op(
     h_N2F: torch.Tensor,
     sorted_slot_N: torch.Tensor,
     offsets_E1: torch.Tensor,
-    wgrad: str,
     pow2_scales: bool,
     engine: str,
     write_empty_rows: bool,
@@ -121,14 +111,14 @@ def _backward_op(
     """Returns (dx_TD, dw1_EFD, dw3_EFD, dw2_EDF in the weights' dtypes, dtopk_weights_TK fp32)."""
     _check_device(x_TD)
     return moe_fp8_backward(
-        dy_TD, x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, h_N2F, sorted_slot_N, offsets_E1, wgrad, pow2_scales,
+        dy_TD, x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, h_N2F, sorted_slot_N, offsets_E1, pow2_scales,
         _quantized(wq, pow2_scales), resolve_engine(engine, x_TD.device), write_empty_rows,
     )
 
 
 @_backward_op.register_fake
 def _backward_fake(dy_TD, x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, h_N2F, sorted_slot_N, offsets_E1,
-                   wgrad, pow2_scales, engine, write_empty_rows, wq):
+                   pow2_scales, engine, write_empty_rows, wq):
     return _bf16_backward_fake(dy_TD, x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, h_N2F, sorted_slot_N,
                                offsets_E1, write_empty_rows)
 
@@ -137,11 +127,11 @@ _N_SAVED = 8
 
 
 def _setup_context(ctx, inputs, output):
-    x_TD, _, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, wgrad, pow2_scales, engine, write_empty_rows, wq = inputs
+    x_TD, _, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, pow2_scales, engine, write_empty_rows, wq = inputs
     _, h_N2F, sorted_slot_N, offsets_E1 = output
     # The cached e4m3 copies are saved by reference (they live until the next optimizer step anyway).
     ctx.save_for_backward(x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, h_N2F, sorted_slot_N, offsets_E1, *wq)
-    ctx.wgrad, ctx.pow2_scales, ctx.engine, ctx.write_empty_rows = wgrad, pow2_scales, engine, write_empty_rows
+    ctx.pow2_scales, ctx.engine, ctx.write_empty_rows = pow2_scales, engine, write_empty_rows
 
 
 def _autograd_backward(ctx, dy_TD, _dh, _dslot, _doffsets):
@@ -149,10 +139,9 @@ def _autograd_backward(ctx, dy_TD, _dh, _dslot, _doffsets):
     saved = ctx.saved_tensors
     dy_TD = dy_TD.to(saved[0].dtype).contiguous()
     dx, dw1, dw3, dw2, ds = torch.ops.mega_moe_fp8.backward(
-        dy_TD, *saved[:_N_SAVED], ctx.wgrad, ctx.pow2_scales, ctx.engine, ctx.write_empty_rows,
-        list(saved[_N_SAVED:]))
+        dy_TD, *saved[:_N_SAVED], ctx.pow2_scales, ctx.engine, ctx.write_empty_rows, list(saved[_N_SAVED:]))
     # The custom op's autograd wants the inputs' structure back: one None per tensor of wq.
-    return dx, None, ds, dw1, dw3, dw2, None, None, None, None, [None] * (len(saved) - _N_SAVED)
+    return dx, None, ds, dw1, dw3, dw2, None, None, None, [None] * (len(saved) - _N_SAVED)
 
 
 _forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -164,11 +153,11 @@ def _check_bf16(x_TD, w1_EFD=None, w3_EFD=None, w2_EDF=None) -> None:
             raise TypeError(
                 f"mega_fp8: {name} has dtype {t.dtype}; the FP8 MoE quantizes bfloat16 activations and "
                 f"weights only (train with [training] mixed_precision_param = \"bfloat16\", or set "
-                f"[quantize] moe = \"none\" for the {t.dtype} mega kernels)"
+                f"[precision] moe = \"none\" for the {t.dtype} mega kernels)"
             )
 
 
-@register_moe_backend("mega_fp8", routed_rows_only=True)
+@register_moe_backend("mega_fp8", routed_rows_only=True, takes=("fp8_options", "quantized"))
 def mega_moe_fp8(
     x_TD: torch.Tensor,
     topk_ids_TK: torch.Tensor,
@@ -224,7 +213,6 @@ def mega_moe_fp8(
         # carrier without storage (stride 0) must not be made contiguous, which would fill it.
         *((w1_EFD, w3_EFD, w2_EDF) if quantized is not None else (w1_EFD.contiguous(), w3_EFD.contiguous(),
                                                                    w2_EDF.contiguous())),
-        opts.wgrad,
         opts.pow2_scales,
         opts.engine,
         write_empty_rows,

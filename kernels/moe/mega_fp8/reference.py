@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.common.routing import sort_by_expert
 from kernels.fp8.grouped_gemm import fp8_gate_up_swiglu_ref, fp8_grouped_gemm_ref, fp8_wgrad_ref
 from kernels.fp8.blockwise import quantize_cols_grouped_ref, quantize_1x128_ref, quantize_weight_ref
-from kernels.moe.routing import sort_by_expert
 
 
 def _slot_rows(buf_ND: torch.Tensor, valid_N: torch.Tensor, T: int, dtype: torch.dtype) -> torch.Tensor:
@@ -71,20 +71,16 @@ def mega_moe_fp8_forward_ref(x_TD, topk_ids_TK, topk_weights_TK, w1_EFD, w3_EFD,
 
 
 def mega_moe_fp8_backward_ref(dy_TD, x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_EDF, h_N2F, sorted_slot_N,
-                              offsets_E1, wgrad="fp8", pow2_scales=False, with_magnitude=False):
+                              offsets_E1, pow2_scales=False, with_magnitude=False):
     """Reference of ``mega_moe_fp8::backward``: (dx_TD, dw1_EFD, dw3_EFD, dw2_EDF, dtopk_weights_TK),
     and with ``with_magnitude`` two more: sum_k |slot row| of dx (``_valid_slot_abs_sum``) and, per
     slot, sum_f |dA' * act| (the terms of dtopk_weights, which cancel).
-
-    ``wgrad="bf16"``: weight grads in float64 from the unquantized dH, x, dy and s * A (the bf16
-    mega kernels compute the same products with fp32 accumulation).
     """
     T, K = topk_weights_TK.shape
-    E, Fh, D = w1_EFD.shape
+    Fh = w1_EFD.shape[1]
     dtype = x_TD.dtype
     slot = sorted_slot_N.long()
-    offs = offsets_E1.tolist()
-    n = offs[-1]  # rows past n are empty slots: H there is garbage, their weights may be NaN
+    n = int(offsets_E1[-1])  # rows past n are empty slots: H there is garbage, their weights may be NaN
 
     def pad(rows_nX):  # n expert-sorted rows -> N, zeros for the empty slots
         return torch.cat([rows_nX, rows_nX.new_zeros(T * K - n, *rows_nX.shape[1:])])
@@ -113,21 +109,12 @@ def mega_moe_fp8_backward_ref(dy_TD, x_TD, topk_weights_TK, w1_EFD, w3_EFD, w2_E
     dx_mag_TD = _valid_slot_abs_sum(dxbuf, valid_N, T, dtype) if with_magnitude else None
 
     sa = pad((act.to(dtype).double() * s_n1).to(dtype))
-    if wgrad == "fp8":
-        wt = []
-        for rows, src_slots, k in ((dgate, None, 1), (dup, None, 1), (x_TD, sorted_slot_N, K),
-                                   (dy_TD, sorted_slot_N, K), (sa, None, 1)):
-            wt.append(quantize_cols_grouped_ref(rows, offsets_E1, src_slots, k, pow2_scales))
-        dw1 = fp8_wgrad_ref(*wt[0], *wt[2], offsets_E1)
-        dw3 = fp8_wgrad_ref(*wt[1], *wt[2], offsets_E1)
-        dw2 = fp8_wgrad_ref(*wt[3], *wt[4], offsets_E1)
-    else:
-        xg, dyg = x_TD.double()[slot // K], dy_TD.double()[slot // K]
-        dw1, dw3, dw2 = (torch.zeros(E, *shape, dtype=torch.float64, device=x_TD.device)
-                         for shape in ((Fh, D), (Fh, D), (D, Fh)))
-        for e in range(E):
-            r = slice(offs[e], offs[e + 1])
-            dw1[e], dw3[e] = dgate[r].double().t() @ xg[r], dup[r].double().t() @ xg[r]
-            dw2[e] = dyg[r].t() @ sa[r].double()
+    wt = []
+    for rows, src_slots, k in ((dgate, None, 1), (dup, None, 1), (x_TD, sorted_slot_N, K),
+                               (dy_TD, sorted_slot_N, K), (sa, None, 1)):
+        wt.append(quantize_cols_grouped_ref(rows, offsets_E1, src_slots, k, pow2_scales))
+    dw1 = fp8_wgrad_ref(*wt[0], *wt[2], offsets_E1)
+    dw3 = fp8_wgrad_ref(*wt[1], *wt[2], offsets_E1)
+    dw2 = fp8_wgrad_ref(*wt[3], *wt[4], offsets_E1)
     out = (dx_TD, dw1.to(dtype), dw3.to(dtype), dw2.to(dtype), ds_TK)
     return out + (dx_mag_TD, ds_mag_TK) if with_magnitude else out

@@ -1,6 +1,6 @@
 """The e4m3 copies of one layer's expert weights, in every layout the FP8 mega op reads.
 
-Made by :meth:`QuantizedExpertWeights.quantize` once per optimizer step (``components/compute_weights.py``
+Made by :meth:`QuantizedExpertWeights.quantize` once per optimizer step (``components/precision/copies.py``
 keeps them and refreshes them when the parameters change) and handed to ``mega_moe_fp8(...,
 quantized=...)``, so that the forward, its recomputation under activation checkpointing and the
 backward stop re-quantizing the bf16 weights on every call. Without it the op makes the same
@@ -53,7 +53,7 @@ class QuantizedExpertWeights:
 
         One pass per weight writes both of its layouts (``quant.quantize_weight_into``): the
         forward's, and the transposed one of the backward (w2t; w1 and w3 into the two halves of
-        w13t). ``out``: write into these tensors (the weight cache's buffers) instead of new ones.
+        w13t). ``out``: write into these tensors (the compute copies' buffers) instead of new ones.
         ``round_bf16``: quantize the weights' values rounded to bf16 (float32 masters give the bytes
         of their bf16 copies, without the casts' passes).
         """

@@ -1,19 +1,13 @@
-"""Warp-specialized block-scaled FP8 GEMM for Hopper (sm_90a), written in Gluon.
+"""The dense block-scaled FP8 GEMM on the warp-specialized Gluon engine (sm_90a): a benchmark
+kernel, the engine's first step, timed against cuBLAS by ``bench/hopper_gemm.py``. The MoE op runs
+its grouped siblings (``kernels/fp8/hopper_*.py``), built on the same engine
+(:mod:`kernels.fp8.gluon_base`).
 
     out (M, N) bf16 = sum over 128-wide K blocks kb of (a_q[:, kb] @ b_q[:, kb].T) * a_s[:, kb] * b_s[:, kb]
 
 a: e4m3 (M, K) with 1 x 128 scales; b: e4m3 (N, K) with 128 x 128 block scales (N/128, K/128): the
 DeepSeek-V3 recipe of kernels/fp8/blockwise.py. The activation scales are read transposed,
 (K/128, M) contiguous, so a K block's scales for a row tile are one contiguous copy.
-
-Why Gluon rather than plain Triton: each 128-wide K block's partial product is scaled before it
-joins the fp32 sum ("promotion"). Plain Triton issues that from one instruction stream that also
-loads the scales and waits for the tensor cores, block after block. Here the work is split over
-partitions: a one-warp producer streams A/B tiles (TMA) and their scales (cp.async) through a ring
-of shared-memory stages, and two consumer warpgroups, each owning 64 rows of the 128 x 128 tile,
-run their wgmma -> wait -> promote chains independently, so one promotes while the other's wgmma
-runs. BENCHMARKS.md has the measurements behind these choices (scales through shared memory
-rather than loaded by the consumers; 128 x 128 tiles).
 """
 
 from __future__ import annotations
@@ -22,57 +16,14 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels.fp8.blockwise import dequantize_rowwise_ref, dequantize_weight_ref
+from kernels.fp8.blockwise import TILE, dequantize_rowwise_ref, dequantize_weight_ref
+from kernels.fp8.gluon_base import (BLOCK_K, CONSUMER_REGS, MAXNREG, PRODUCER_REGS, STAGES, allocate_ring, descriptor,
+                                    load_stage, tile_coords)
 
-TILE_K = 128  # one scale block along K per pipeline stage
-BLOCK_K = gl.constexpr(TILE_K)
 FP8 = torch.float8_e4m3fn
-STAGES = 4
-MAXNREG = 168  # 3 warpgroups x 128 threads x 168 = the 64K registers; re-split per partition below
-PRODUCER_REGS = gl.constexpr(40)
-CONSUMER_REGS = gl.constexpr(232)
-
-
-@gluon.jit
-def _tile_coords(tile, num_m, num_n, GROUP_M: gl.constexpr):
-    """Grouped rasterization: GROUP_M row tiles share each column tile while it is in L2."""
-    per_group = GROUP_M * num_n
-    group = tile // per_group
-    first_m = group * GROUP_M
-    rows = gl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % per_group) % rows
-    pid_n = (tile % per_group) // rows
-    return pid_m, pid_n
-
-
-@gluon.jit
-def load_stage(a_desc, b_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, it, a_row, b_row, k, as_src, as_mask,
-               bs_src, bs_mask, b2_desc=None, b2_bufs=None):
-    """Producer step ``it``: once its ring stage is free, copy the scales (cp.async from the
-    pointer tensors ``as_src`` / ``bs_src``) and the A and B tiles at (a_row, k), (b_row, k) (TMA);
-    with ``b2_desc`` also a second B tile at (b_row, k) into ``b2_bufs`` (gate/up's w3)."""
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
-    s = it % STAGES
-    mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-    bar = ready.index(s)
-    # The scale copies' arrivals are registered before the TMA's, so the stage cannot complete
-    # without them.
-    async_copy.async_copy_global_to_shared(as_bufs.index(s), as_src, mask=as_mask)
-    async_copy.async_copy_global_to_shared(bs_bufs.index(s), bs_src, mask=bs_mask)
-    async_copy.mbarrier_arrive(bar)
-    if b2_desc is None:
-        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-    else:
-        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes + b2_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(a_desc, [a_row, k], bar, a_bufs.index(s))
-    tma.async_copy_global_to_shared(b_desc, [b_row, k], bar, b_bufs.index(s))
-    if b2_desc is not None:
-        tma.async_copy_global_to_shared(b2_desc, [b_row, k], bar, b2_bufs.index(s))
 
 
 @gluon.jit
@@ -91,31 +42,13 @@ def _producer(a_desc, b_desc, as_ptr, bs_ptr, a_bufs, b_bufs, as_bufs, bs_bufs, 
     lane = gl.arange(0, 4, gl.BlockedLayout([1], [32], [1], [0]))
     it = 0
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+        pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
         rows = pid_m * BLOCK_M + offs
         for kb in range(kb_count):
             load_stage(a_desc, b_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, it, pid_m * BLOCK_M,
                        pid_n * BLOCK_N, kb * BLOCK_K, as_ptr + kb * M + rows, rows < M,
                        bs_ptr + pid_n * kb_count + kb + lane, lane == 0)
             it += 1
-
-
-@gluon.jit
-def allocate_ring(a_desc, b_desc, STAGES: gl.constexpr, B_SCALES: gl.constexpr):
-    """The ring of stages the producer fills and the two consumer warpgroups drain: A and B tiles,
-    A's row scales and ``B_SCALES`` B scales per stage, and the barriers (``ready``: the stage's
-    copies landed; ``empty``: both consumer warpgroups are done with it)."""
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    as_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, a_desc.block_type.shape[0]], flat)
-    bs_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, B_SCALES], flat)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
-    return a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty
 
 
 @gluon.jit
@@ -127,11 +60,10 @@ def _stage_scales(as_bufs, bs_bufs, s, ROW0: gl.constexpr, rows_layout: gl.const
 
 @gluon.jit
 def _consume_tiles(c_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, c_smem, M, N, K, GROUP_M: gl.constexpr,
-                   WG: gl.constexpr, SCALED: gl.constexpr):
+                   WG: gl.constexpr):
     """Warpgroup WG's 64 rows of every 128 x 128 tile of this program. Per K block the wgmma lands in
     a fresh partial sum that is scaled into the tile's fp32 sum while the other warpgroup's wgmmas
-    keep the tensor cores busy. SCALED=False ignores the scales: a plain FP8 GEMM at the same tiles,
-    the ceiling the promotion is measured against (bench/hopper_gemm.py)."""
+    keep the tensor cores busy."""
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
@@ -147,23 +79,18 @@ def _consume_tiles(c_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, c_sme
     t = gl.zeros([64, BLOCK_N], gl.float32, mma)
     it = 0
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+        pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
         acc = gl.zeros([64, BLOCK_N], gl.float32, mma)
         for kb in range(kb_count):
             s = it % STAGES
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
             a = a_bufs.index(s).slice(ROW0, 64)
             b = b_bufs.index(s).permute((1, 0))
-            if SCALED:
-                t = warpgroup_mma(a, b, t, use_acc=False, is_async=True)
-                sc = _stage_scales(as_bufs, bs_bufs, s, ROW0, rows_layout)
-                t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
-                mbarrier.arrive(empty.index(s), count=1)
-                acc = acc + t * sc[:, None]
-            else:
-                acc = warpgroup_mma(a, b, acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                mbarrier.arrive(empty.index(s), count=1)
+            t = warpgroup_mma(a, b, t, use_acc=False, is_async=True)
+            sc = _stage_scales(as_bufs, bs_bufs, s, ROW0, rows_layout)
+            t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
+            mbarrier.arrive(empty.index(s), count=1)
+            acc = acc + t * sc[:, None]
             it += 1
         tma.store_wait(pendings=0)  # the previous tile's store must have left c_smem before it is rewritten
         c_smem.store(acc.to(c_desc.dtype))
@@ -174,67 +101,60 @@ def _consume_tiles(c_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, c_sme
 
 @gluon.jit
 def _worker(a_desc, b_desc, c_desc, as_ptr, bs_ptr, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, c_smem, M, N,
-            K, GROUP_M: gl.constexpr, ROLE: gl.constexpr, SCALED: gl.constexpr):
+            K, GROUP_M: gl.constexpr, ROLE: gl.constexpr):
     # Worker partitions share one signature: ROLE 0 loads, ROLE 1 is the second consumer warpgroup.
     if ROLE == 0:
         _producer(a_desc, b_desc, as_ptr, bs_ptr, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, M, N, K, GROUP_M)
     else:
-        _consume_tiles(c_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, c_smem.index(1), M, N, K, GROUP_M, 1,
-                       SCALED)
+        _consume_tiles(c_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, c_smem.index(1), M, N, K, GROUP_M, 1)
 
 
 @gluon.jit
-def _fp8_gemm_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, M, N, K, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                     SCALED: gl.constexpr):
+def _fp8_gemm_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, M, N, K, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     """Three partitions: a one-warp TMA producer and two 4-warp consumer warpgroups, each owning half
     of every tile's rows; only a partition's own warps synchronize with each other."""
     a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty = allocate_ring(a_desc, b_desc, STAGES, 4)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
     gl.warp_specialize([
         (_consume_tiles, (c_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, c_smem.index(0), M, N, K, GROUP_M,
-                          0, SCALED)),
+                          0)),
         (_worker, (a_desc, b_desc, c_desc, as_ptr, bs_ptr, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, c_smem, M,
-                   N, K, GROUP_M, 0, SCALED)),
+                   N, K, GROUP_M, 0)),
         (_worker, (a_desc, b_desc, c_desc, as_ptr, bs_ptr, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, c_smem, M,
-                   N, K, GROUP_M, 1, SCALED)),
+                   N, K, GROUP_M, 1)),
     ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
-def _descriptor(t: torch.Tensor, block: list[int], dtype) -> TensorDescriptor:
-    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
-
-
 def fp8_gemm(a_q: torch.Tensor, a_s_t: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, *,
-             stages: int = STAGES, group_m: int = 8, scaled: bool = True) -> torch.Tensor:
+             stages: int = STAGES, group_m: int = 8) -> torch.Tensor:
     """out (M, N) bf16 = dequant(a) @ dequant(b).T on an sm_90 GPU.
 
     a_q (M, K) e4m3 with a_s_t (K/128, M) fp32 (the 1 x 128 scales, transposed and contiguous);
-    b_q (N, K) e4m3 with b_s (N/128, K/128) fp32. K a multiple of 16 and N of 8 (TMA row alignment).
-    ``scaled=False`` ignores the scales (a timing probe: the same kernel without promotion)."""
+    b_q (N, K) e4m3 with b_s (N/128, K/128) fp32. K a multiple of 16 and N of 8 (TMA row alignment)."""
     if a_q.dtype != FP8 or b_q.dtype != FP8:
         raise ValueError(f"a_q and b_q must be float8_e4m3fn, got {a_q.dtype} and {b_q.dtype}")
     if a_q.dim() != 2 or b_q.dim() != 2 or a_q.shape[1] != b_q.shape[1]:
         raise ValueError(f"a_q (M, K) and b_q (N, K) must share K, got {tuple(a_q.shape)} and {tuple(b_q.shape)}")
     M, K = a_q.shape
     N = b_q.shape[0]
-    kb = triton.cdiv(K, TILE_K)
+    kb = triton.cdiv(K, TILE)
     if K % 16 or N % 8 or not (a_q.is_contiguous() and b_q.is_contiguous()):
         raise ValueError(f"K ({K}) must be a multiple of 16, N ({N}) of 8, and a_q, b_q contiguous (TMA rows "
                          "are 16-byte aligned)")
     if a_s_t.shape != (kb, M) or not a_s_t.is_contiguous() or a_s_t.dtype != torch.float32:
         raise ValueError(f"a_s_t must be contiguous float32 ({kb}, {M}) (the scales transposed), got "
                          f"{a_s_t.dtype} {tuple(a_s_t.shape)}")
-    if b_s.shape != (triton.cdiv(N, TILE_K), kb) or not b_s.is_contiguous() or b_s.dtype != torch.float32:
-        raise ValueError(f"b_s must be contiguous float32 ({triton.cdiv(N, TILE_K)}, {kb}), got {b_s.dtype} "
+    if b_s.shape != (triton.cdiv(N, TILE), kb) or not b_s.is_contiguous() or b_s.dtype != torch.float32:
+        raise ValueError(f"b_s must be contiguous float32 ({triton.cdiv(N, TILE)}, {kb}), got {b_s.dtype} "
                          f"{tuple(b_s.shape)}")
     out = torch.empty(M, N, device=a_q.device, dtype=torch.bfloat16)
-    a_desc = _descriptor(a_q, [128, TILE_K], gl.float8e4nv)
-    b_desc = _descriptor(b_q, [128, TILE_K], gl.float8e4nv)
-    c_desc = _descriptor(out, [64, 128], gl.bfloat16)
+    a_desc = descriptor(a_q, [128, TILE], gl.float8e4nv)
+    b_desc = descriptor(b_q, [128, TILE], gl.float8e4nv)
+    c_desc = descriptor(out, [64, 128], gl.bfloat16)
     tiles = triton.cdiv(M, 128) * triton.cdiv(N, 128)
     sms = torch.cuda.get_device_properties(a_q.device).multi_processor_count
-    _fp8_gemm_kernel[(min(sms, tiles), )](a_desc, b_desc, c_desc, a_s_t, b_s, M, N, K, stages, group_m, scaled,
-                                          num_warps=4, maxnreg=MAXNREG)
+    _fp8_gemm_kernel[(min(sms, tiles), )](a_desc, b_desc, c_desc, a_s_t, b_s, M, N, K, stages, group_m, num_warps=4,
+                                          maxnreg=MAXNREG)
     return out
 
 

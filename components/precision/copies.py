@@ -1,56 +1,57 @@
-"""Compute copies of the float32 weights: the bf16 (or, for the FP8 experts, e4m3) tensors the model
-computes with, made once per optimizer step or written by the optimizer itself, instead of a cast
-on every call.
+"""Compute copies: the bf16 (or, for the FP8 experts, e4m3) tensors the model computes with, made from
+the float32 weights once per optimizer step or written by the optimizer itself, instead of a cast on
+every call. One mechanism under one name; ``[precision] compute_copies`` switches it.
 
 Why: the parameters are float32 masters. Without copies every call converts them: bf16 autocast
-casts each ``nn.Linear`` weight, the MoE casts the expert weights (``gather_weight`` under expert
-parallelism), and the FP8 ``mega_fp8`` backend quantizes them into four e4m3 layouts. Under full
-activation checkpointing a layer runs twice per micro-batch and the FP8 backward quantizes again,
-so the same conversion runs 2-3 times per micro-batch; at the Qwen3-30B-A3B expert shape each bf16
-cast moves ~3.6 GB (2.4 GB of float32 read, 1.2 GB of bf16 written) and each FP8 quantization
-~3.6 GB more. Each weight gradient is also cast back from bf16 to a float32 ``.grad``.
+casts each ``nn.Linear`` weight, the experts' dispatch casts their weights (and gathers them under
+expert parallelism), and the FP8 ``mega_fp8`` backend quantizes them into four e4m3 layouts. Under
+full activation checkpointing a layer runs twice per micro-batch and the FP8 backward quantizes
+again, so the same conversion runs 2-3 times per micro-batch; at the Qwen3-30B-A3B expert shape
+each bf16 cast moves ~3.6 GB (2.4 GB of float32 read, 1.2 GB of bf16 written, counted) and each FP8
+quantization ~3.6 GB more. Each weight gradient is also cast back from bf16 to a float32 ``.grad``.
 
-One mechanism, per module: a :class:`ComputeWeights` child named ``compute_weights`` holds the
-copies of its owner's weights as non-persistent buffers (never in a checkpoint). The model asks for
-it and falls back to the parameters when there is none (``GroupedExperts.forward``;
-:class:`ComputeLinear`, an ``nn.Linear`` whose class is swapped in place as the FP8 conversion
-does, and its ``compute_weight`` that the chunked loss reads). Modes: ``"bf16"`` (any backend, and
-the linears) or ``"fp8_blockwise"`` (the e4m3 copies of ``kernels/moe/mega_fp8/weights.py``, read by
-backend ``mega_fp8``; float32 masters are rounded to bf16 inside the quantization pass, no cast).
+Per module, a :class:`ComputeCopies` child named ``copies`` holds the copies of its owner's weights
+as non-persistent buffers (never in a checkpoint): the experts' (``GroupedExperts.copies``, given by
+``use_compute_copies``), or a linear's (:class:`ComputeLinear`, an ``nn.Linear`` whose class is
+swapped in place as the FP8 conversion does, and its ``compute_weight`` that the chunked loss
+reads). Modes: ``"bf16"`` (any backend, and the linears) or ``"fp8_blockwise"`` (the e4m3 copies of
+``kernels/moe/mega_fp8/weights.py``, which the ``mega_fp8`` backend reads through
+``BackendArgs.quantized``; float32 masters are rounded to bf16 inside the quantization pass, no cast).
 
 Who keeps them current:
 
 - The trainer refreshes every copy that is not current at the start of every optimizer step,
-  outside the compiled graph (:func:`refresh_compute_weights`). Staleness cannot be read off the
-  parameters alone: fused AdamW, and foreach AdamW on DTensors, update them without moving their
-  ``_version`` counters. So the trainer's optimizer hook marks every copy stale
-  (:func:`invalidate_compute_weights`, also called after a checkpoint load), and a copy is current
-  after it was built or refreshed, or written by the optimizer, until then or until its parameters'
-  versions move (plain in-place edits). An eager forward refreshes a copy that is not current; a
-  compiled one checks nothing.
-- ``[optimizer] implementation = "triton"``: :meth:`kernels.adamw.TritonAdamW.attach_shadow` writes
-  the bf16 copies from the updated values in its own pass (:func:`attach_to_optimizer`), 2 bytes per
-  parameter instead of a refresh reading the float32 parameter again (4 + 2 bytes); its post-step
-  hook marks them current.
-- Gradient carriers (that optimizer, one process, one micro-batch per step): the bf16 copies become
-  leaf tensors that require grad and the model computes with them directly, so the bf16 weight
-  gradients land in their ``.grad`` as they are; the optimizer reads them there (``grad_from_shadow``)
-  and the clipping norm includes them (:func:`grad_carriers`). Same gradient values (the float32 ones
-  were casts of these), no cast pass, no float32 gradient held: counted ~24 GB less traffic and
-  9.7 GB less memory per step for the experts of either one-GPU proxy, ~8.7 GB less traffic for the
-  linears of the 235B one-layer proxy. With accumulation the sum would be taken in bf16, so the
-  trainer keeps float32 gradients then. The linears are only given copies in this setting. The FP8
-  experts' carriers are bf16 leaves without storage (their values are never read: the op reads the
-  e4m3 copies), so their weight gradients are written and read in bf16 as the bf16 experts' are,
-  instead of float32: counted 4 bytes per expert weight less traffic per step (~2.4 GB per layer at
-  the 30B shape) and 2 bytes less memory.
+  outside the compiled graph (:func:`refresh_copies`). Staleness cannot be read off the parameters
+  alone: fused AdamW, and foreach AdamW on DTensors, update them without moving their ``_version``
+  counters. So an optimizer hook marks every copy stale (:func:`invalidate_copies`, also called
+  after a checkpoint load), and a copy is current after it was built or refreshed, or written by the
+  optimizer, until then or until its parameters' versions move (plain in-place edits). An eager
+  forward refreshes a copy that is not current; a compiled one checks nothing.
+- With ``[optimizer] implementation = "triton"``, :meth:`kernels.adamw.TritonAdamW.attach_copy`
+  writes the bf16 copies from the updated values in its own pass (:func:`attach_to_optimizer`), 2
+  bytes per parameter instead of a refresh reading the float32 parameter again (4 + 2 bytes); its
+  post-step hook marks them current.
+- Copies that carry the gradients (that optimizer, one process, one micro-batch per step): the bf16
+  copies become leaf tensors that require grad and the model computes with them directly, so the
+  bf16 weight gradients land in their ``.grad`` as they are; the optimizer reads them there
+  (``grad_from_copy``) and the clipping norm includes them (:func:`grad_carriers`). Same gradient
+  values (the float32 ones were casts of these), no cast pass, no float32 gradient held: counted
+  ~24 GB less traffic and 9.7 GB less memory per step for the experts of either one-GPU proxy,
+  ~8.7 GB less traffic for the linears of the 235B one-layer proxy. With accumulation the sum would
+  be taken in bf16, so float32 gradients are kept then. The linears are only given copies in this
+  setting. The FP8 experts' carriers are bf16 leaves without storage (their values are never read:
+  the op reads the e4m3 copies), so their weight gradients are written and read in bf16 as the bf16
+  experts' are, instead of float32: counted 4 bytes per expert weight less traffic per step (~2.4 GB
+  per layer at the 30B shape) and 2 bytes less memory.
 
-Without carriers the bf16 copies enter through :class:`_CastFromCache` (backward: the cast's
+Without carriers the bf16 copies enter through :class:`_CastFromCopy` (backward: the cast's
 backward, ``grad.to(float32)``), and the FP8 op takes the float32 weights as gradient carriers and
 writes their gradients in float32. Memory: one bf16-sized copy of the weights concerned.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn as nn
@@ -60,7 +61,7 @@ MODES = ("bf16", "fp8_blockwise")
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
 
 
-class _CastFromCache(torch.autograd.Function):
+class _CastFromCopy(torch.autograd.Function):
     """``w.to(dtype)`` whose value comes from the copy: forward returns the copy, backward is the
     cast's backward (the gradient in w's dtype)."""
 
@@ -83,7 +84,7 @@ def _local(w: torch.Tensor) -> torch.Tensor:
     return w.to_local() if isinstance(w, DTensor) else w
 
 
-class ComputeWeights(nn.Module):
+class ComputeCopies(nn.Module):
     """The compute copies of one module's weights: a linear's ``weight``, or the experts' (w1, w3,
     w2) (this rank's shard under expert parallelism). Built on the parameters' device, after
     initialisation and parallelisation; the owner is passed to each call (a child cannot hold its
@@ -92,7 +93,7 @@ class ComputeWeights(nn.Module):
     def __init__(self, owner: nn.Module, mode: str, dtype: torch.dtype, pow2_scales: bool = False):
         super().__init__()
         if mode not in MODES:
-            raise ValueError(f"ComputeWeights mode must be one of {MODES}, got {mode!r}")
+            raise ValueError(f"ComputeCopies mode must be one of {MODES}, got {mode!r}")
         self.params = ("weight",) if isinstance(owner, nn.Linear) else EXPERT_WEIGHTS
         if mode == "fp8_blockwise" and (self.params != EXPERT_WEIGHTS or dtype != torch.bfloat16):
             raise ValueError("fp8_blockwise copies are the bf16 experts' e4m3 weights")
@@ -137,7 +138,7 @@ class ComputeWeights(nn.Module):
         docstring): the bf16 copies themselves, or in fp8 mode bf16 carriers without storage (a
         stride-0 view of one element: the op reads the e4m3 copies and only the carriers' shapes and
         dtypes), so the FP8 weight gradients are written and read in bf16, not float32. Only the
-        optimizer that reads them (TritonAdamW: ``attach_shadow(grad_from_shadow=True)`` or
+        optimizer that reads them (TritonAdamW: ``attach_copy(grad_from_copy=True)`` or
         ``attach_grad_carrier``) may be used then: the parameters themselves get no gradient."""
         if self.mode == "fp8_blockwise":
             for name in self.params:
@@ -160,7 +161,7 @@ class ComputeWeights(nn.Module):
         return [getattr(self, n) for n in self._names]
 
     @property
-    def shadows(self) -> dict[str, torch.Tensor]:
+    def by_param(self) -> dict[str, torch.Tensor]:
         """bf16 mode: parameter name -> its copy."""
         if self.mode != "bf16":
             raise ValueError(f"only bf16 copies are per parameter (these are {self.mode!r})")
@@ -202,17 +203,13 @@ class ComputeWeights(nn.Module):
         params = [_local(getattr(owner, n)) for n in self.params]
         if self.mode == "fp8_blockwise":
             return tuple(params)
-        return tuple(_CastFromCache.apply(p, getattr(self, n)) for p, n in zip(params, self._names))
-
-    def backend_kwargs(self) -> dict:
-        """Extra arguments of the MoE backend: the FP8 op's pre-quantized weights."""
-        return {"quantized": self.quantized} if self.mode == "fp8_blockwise" else {}
+        return tuple(_CastFromCopy.apply(p, getattr(self, n)) for p, n in zip(params, self._names))
 
 
 class ComputeLinear(nn.Linear):
     """``nn.Linear`` (no bias) computing with the bf16 copy of its float32 weight under autocast."""
 
-    compute_weights: ComputeWeights
+    copies: ComputeCopies
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.is_autocast_enabled(x.device.type):
@@ -223,10 +220,10 @@ class ComputeLinear(nn.Linear):
     def compute_weight(self) -> torch.Tensor:
         """The weight this linear computes with, for code that reads it instead of calling the module
         (the chunked output projection + cross-entropy)."""
-        return self.compute_weights.weights(self)[0]
+        return self.copies.weights(self)[0]
 
 
-def expert_mode(backend: str, compute_dtype: torch.dtype | None, experts_whole: bool) -> str | None:
+def expert_copy_mode(backend: str, compute_dtype: torch.dtype | None, experts_whole: bool) -> str | None:
     """The experts' copies a backend can use, or None.
 
     Args:
@@ -249,43 +246,49 @@ def linear_copyable(module: nn.Module) -> bool:
             and type(module.weight.data) is torch.Tensor)
 
 
-def enable_compute_weights(model: nn.Module, experts: str | None, dtype: torch.dtype | None,
-                           pow2_scales: bool = False, linears: bool = False,
-                           skip: tuple[type, ...] = ()) -> list[ComputeWeights]:
+def make_compute_copies(model: nn.Module, experts: str | None, dtype: torch.dtype | None,
+                        fp8_options=None, linears: bool = False, skip: tuple[type, ...] = ()
+                        ) -> list[ComputeCopies]:
     """Give ``model`` its compute copies; returns them.
 
-    ``experts``: the mode of every ``GroupedExperts``' copies (:func:`expert_mode`), or None.
-    ``linears``: also every :func:`linear_copyable` linear outside modules of the ``skip`` types
-    (whose linears keep their own precision), as a :class:`ComputeLinear` whose bf16 copy carries
-    its gradient (only valid with an optimizer that takes it: :func:`attach_to_optimizer`)."""
+    ``experts``: the mode of every ``GroupedExperts``' copies (:func:`expert_copy_mode`), or None;
+    the FP8 experts' backend arguments then carry their e4m3 copies (``BackendArgs.quantized``,
+    quantized with ``fp8_options``' scale rounding). ``linears``: also every :func:`linear_copyable`
+    linear outside modules of the ``skip`` types (whose linears keep their own precision), as a
+    :class:`ComputeLinear` whose bf16 copy carries its gradient (only valid with an optimizer that
+    takes it: :func:`attach_to_optimizer`)."""
     from models.moe.moe import GroupedExperts
 
     made = []
     if experts is not None:
+        pow2 = fp8_options.pow2_scales if fp8_options is not None else False
         for module in model.modules():
             if isinstance(module, GroupedExperts):
-                module.compute_weights = ComputeWeights(module, experts, dtype, pow2_scales)
-                made.append(module.compute_weights)
+                copies = ComputeCopies(module, experts, dtype, pow2)
+                args = module.args
+                if experts == "fp8_blockwise":
+                    args = dataclasses.replace(args, quantized=copies.quantized)
+                module.use_compute_copies(copies, args)
+                made.append(copies)
     if linears:
         skipped = {id(m) for s in model.modules() if isinstance(s, skip) for m in s.modules()}
         for module in list(model.modules()):
             if id(module) in skipped or not linear_copyable(module):
                 continue
             module.__class__ = ComputeLinear
-            module.compute_weights = ComputeWeights(module, "bf16", torch.bfloat16)
-            module.compute_weights.enable_grad_carriers()
-            made.append(module.compute_weights)
+            module.copies = ComputeCopies(module, "bf16", torch.bfloat16)
+            module.copies.enable_grad_carriers()
+            made.append(module.copies)
     return made
 
 
 def _owners(model: nn.Module):
     """(owner, copies) for every module of ``model`` with compute copies, the experts' first."""
-    owned = [(m, m.compute_weights) for m in model.modules()
-             if isinstance(getattr(m, "compute_weights", None), ComputeWeights)]
+    owned = [(m, m.copies) for m in model.modules() if isinstance(getattr(m, "copies", None), ComputeCopies)]
     return sorted(owned, key=lambda mc: isinstance(mc[0], nn.Linear))
 
 
-def refresh_compute_weights(model: nn.Module) -> int:
+def refresh_copies(model: nn.Module) -> int:
     """Remake every copy that is not current (module docstring); returns how many were remade."""
     n = 0
     for owner, copies in _owners(model):
@@ -295,7 +298,7 @@ def refresh_compute_weights(model: nn.Module) -> int:
     return n
 
 
-def invalidate_compute_weights(model: nn.Module) -> None:
+def invalidate_copies(model: nn.Module) -> None:
     """Mark every copy stale (the next step start or eager use remakes it)."""
     for _, copies in _owners(model):
         copies.invalidate()
@@ -308,17 +311,17 @@ def grad_carriers(model: nn.Module) -> list[torch.Tensor]:
 
 
 def attach_to_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, carry_grads: bool = False
-                        ) -> list[ComputeWeights]:
-    """Let an optimizer that can (``attach_shadow``: :class:`kernels.adamw.TritonAdamW`) write the bf16
+                        ) -> list[ComputeCopies]:
+    """Let an optimizer that can (``attach_copy``: :class:`kernels.adamw.TritonAdamW`) write the bf16
     copies of plain tensors in its update pass and mark them current after each step; with
     ``carry_grads`` the experts' copies also carry their gradients (the linears' always do) and the
     optimizer reads them there (the FP8 experts' too: their bf16 carriers, while their e4m3 copies
     stay refreshed at the step's start). Returns the copies it writes (none when the optimizer cannot)."""
     owned = _owners(model)
-    if not hasattr(optimizer, "attach_shadow"):
+    if not hasattr(optimizer, "attach_copy"):
         if any(copies.carries_grads for _, copies in owned):
             raise ValueError("compute copies that carry gradients need an optimizer that reads them "
-                             "(attach_shadow: [optimizer] implementation = \"triton\")")
+                             "(attach_copy: [optimizer] implementation = \"triton\")")
         return []
     taken = []
     for owner, copies in owned:
@@ -333,8 +336,8 @@ def attach_to_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, carr
             for name, carrier in zip(copies.params, copies.grad_carriers):
                 optimizer.attach_grad_carrier(params[name], carrier)
             continue
-        for name, shadow in copies.shadows.items():
-            optimizer.attach_shadow(params[name], shadow, grad_from_shadow=copies.carries_grads)
+        for name, copy in copies.by_param.items():
+            optimizer.attach_copy(params[name], copy, grad_from_copy=copies.carries_grads)
         taken.append((owner, copies))
     if taken:
         def mark(*_):

@@ -1,10 +1,10 @@
-"""FP8 dense linears (``[quantize] linear = "fp8_rowwise"``): the attention projections of every
+"""FP8 dense linears (``[precision] linear = "fp8_rowwise"``): the attention projections of every
 block run their three GEMMs in rowwise-scaled FP8 (``kernels/fp8/rowwise.py``).
 
 Converted: ``attention.wq``, ``wk``, ``wv``, ``wo``. Left in bf16: the embedding, the norms, the
 router gate (E outputs: small, and routing decisions are sensitive to it), the output head (its
 logits feed the loss directly, as in TorchTitan's default filter) and the experts (their precision
-is ``[quantize] moe``).
+is ``[precision] moe``).
 
 The swap happens on the meta-device model, before parallelisms are applied. A converted module
 keeps its ``weight`` Parameter object (a plain float32 tensor), so FSDP2 shards and gathers it as
@@ -19,11 +19,10 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from components.config import Quantize
 from kernels.fp8.rowwise import ALIGN, fp8_linear
 from models.qwen3.model import Attention
 
-# The projections that ``[quantize] linear`` converts, by attribute name on each attention module.
+# The projections that ``[precision] linear`` converts, by attribute name on each attention module.
 ATTENTION_PROJECTIONS = ("wq", "wk", "wv", "wo")
 
 
@@ -51,17 +50,17 @@ class Float8Linear(nn.Linear):
         return new
 
 
-def convert_to_float8(model: nn.Module, cfg: Quantize, log: Callable[[str], None] = print) -> int:
-    """Swaps the attention projections of ``model`` for :class:`Float8Linear` when
-    ``cfg.linear`` is ``"fp8_rowwise"`` (else does nothing); returns how many were converted.
+def convert_to_float8(model: nn.Module, linear: str, log: Callable[[str], None] = print) -> int:
+    """Swaps the attention projections of ``model`` for :class:`Float8Linear` when ``linear``
+    (``[precision] linear``) is ``"fp8_rowwise"`` (else does nothing); returns how many were converted.
 
     A projection whose in or out features are not multiples of 16 (what ``torch._scaled_mm`` needs
     on CUDA) stays bf16, with a logged reason.
     """
-    if cfg.linear == "none":
+    if linear == "none":
         return 0
-    if cfg.linear != "fp8_rowwise":
-        raise ValueError(f"[quantize] linear = {cfg.linear!r} is not a known dense-linear precision")
+    if linear != "fp8_rowwise":
+        raise ValueError(f"[precision] linear = {linear!r} is not a known dense-linear precision")
     converted = 0
     for name, module in model.named_modules():
         if not isinstance(module, Attention):
@@ -71,10 +70,10 @@ def convert_to_float8(model: nn.Module, cfg: Quantize, log: Callable[[str], None
             if type(linear) is not nn.Linear:
                 continue
             if linear.in_features % ALIGN or linear.out_features % ALIGN:
-                log(f"[quantize] linear: {name}.{proj} stays bf16: its shape ({linear.out_features}, "
+                log(f"[precision] linear: {name}.{proj} stays bf16: its shape ({linear.out_features}, "
                     f"{linear.in_features}) is not a multiple of {ALIGN} in both dims")
                 continue
             setattr(module, proj, Float8Linear.from_linear(linear))
             converted += 1
-    log(f"[quantize] linear: {converted} attention projections run in FP8 (rowwise e4m3)")
+    log(f"[precision] linear: {converted} attention projections run in FP8 (rowwise e4m3)")
     return converted

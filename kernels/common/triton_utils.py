@@ -1,23 +1,16 @@
 """Triton helpers shared by every kernel in ``kernels/``: the interpreter switch, the fp32-accumulating
-``tl.dot`` wrapper, the output cast, the tile prologues of the grouped GEMMs and their launch grids.
+``tl.dot`` wrapper, the output cast, the tile prologues of the grouped GEMMs and the launch flags.
 
 The ``@triton.jit`` helpers are inlined into the kernels that call them, so sharing them changes no
 generated code."""
 
 from __future__ import annotations
 
-import functools
 import os
-from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
-
-from kernels.moe.routing import max_tiles, tile_table
-
-if TYPE_CHECKING:
-    from kernels.moe.mega.configs import TileConfig
 
 
 def interpreting() -> bool:
@@ -125,43 +118,6 @@ def load_k(ptrs, offs_k, k0, K, EVEN_K: tl.constexpr, K_AXIS: tl.constexpr):
     return tile
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def m_tiled_launch(
-    offsets_E1: torch.Tensor, num_rows: int, num_n: int, cfg: TileConfig, tiles: torch.Tensor | None = None
-) -> tuple[tuple[int], torch.Tensor, int, dict]:
-    """Launch arguments of an M-tiled GEMM kernel (gate_up, down, dh, dx) over ``num_rows`` expert-sorted
-    rows with ``num_n`` N-tiles: (grid, tile table, its number of tiles, keyword arguments).
-
-    ``tiles`` is a :func:`~kernels.moe.routing.tile_table` of ``cfg.block_m`` to reuse, or None to build
-    one. The keyword arguments are the block sizes, the loop arguments and the launch options. Every
-    program loops ``for work in range(pid, num_work, NUM_PROGS)`` over the real tiles only. With
-    ``cfg.persistent`` = p > 0 the grid is p programs per SM and the loop is flattened
-    (``tl.range(..., flatten=True)``) so that the next tile's loads are issued during this tile's
-    epilogue; with 0 the grid is the static bound (one program per possible tile), surplus programs
-    skip the loop. Under the interpreter a persistent grid is 3 programs, to exercise the loop.
-    """
-    n_tiles = max_tiles(num_rows, offsets_E1.numel() - 1, cfg.block_m)
-    if tiles is None:
-        tiles = tile_table(offsets_E1, num_rows, cfg.block_m)
-    total = max(n_tiles * num_n, 1)
-    if cfg.persistent:
-        progs = 3 if interpreting() else cfg.persistent * _num_sms(offsets_E1.device.index or 0)
-        progs = min(total, progs)
-    else:
-        progs = total
-    kwargs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_PROGS=progs,
-                  PERSISTENT=bool(cfg.persistent), **launch_options(cfg))
-    return (progs,), tiles, n_tiles, kwargs
-
-
 def launch_flags(dtype: torch.dtype) -> dict:
     """Constexpr flags every GEMM kernel takes: UPCAST (interpreter) and IEEE (fp32 inputs)."""
     return dict(UPCAST=interpreting(), IEEE=dtype == torch.float32)
-
-
-def launch_options(cfg: TileConfig) -> dict:
-    return dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -1,4 +1,4 @@
-"""Routing metadata of the mega-MoE op: expert-sorted order and a static-size tile schedule.
+"""Routing metadata of the grouped expert GEMMs: expert-sorted order and a static-size tile schedule.
 
 Everything here stays on the device and has shapes fixed by (T, K, E, block_m) alone, so there is
 no device-to-host sync and the op traces under ``torch.compile(fullgraph=True)``.
@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.common.triton_utils import interpreting
 
 
 def sort_by_expert(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,8 +152,6 @@ def gather_sorted_rows(src_TD: torch.Tensor, sorted_slot_N: torch.Tensor, offset
     under expert parallelism they are half the receive buffer at the default capacity.
 
     src_TD: (T, D) contiguous, any dtype (FP8 as a byte view works too). Returns (N, D)."""
-    from kernels.triton_utils import interpreting  # triton_utils imports this module
-
     N, (_, D) = sorted_slot_N.numel(), src_TD.shape
     out_ND = torch.empty((N, D), device=src_TD.device, dtype=src_TD.dtype)
     if N == 0 or D == 0:

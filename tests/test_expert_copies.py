@@ -1,16 +1,18 @@
-"""The experts' compute copies, made once per optimizer step (components/compute_weights.py and
+"""The experts' compute copies, made once per optimizer step (components/precision/copies.py and
 kernels/moe/mega_fp8/weights.py), against the per-call conversion they replace.
 
-The cache must change nothing but speed: the bf16 copies are the same casts, the e4m3 copies the
+The copies must change nothing but speed: the bf16 copies are the same casts, the e4m3 copies the
 same quantization, so the op-level checks are bitwise; only the FP8 weight gradients, written in
 float32 instead of bf16 when the op gets float32 master weights, are compared after rounding to
 bf16 (the kernels round their fp32 accumulators to nearest either way).
 """
 
+import dataclasses
+
 import pytest
 import torch
 
-from components.compute_weights import EXPERT_WEIGHTS, MODES, ComputeWeights, expert_mode
+from components.precision.copies import EXPERT_WEIGHTS, MODES, ComputeCopies, expert_copy_mode
 
 triton = pytest.importorskip("triton")
 from kernels.moe.mega_fp8 import MegaFP8Options, mega_moe_fp8  # noqa: E402
@@ -35,25 +37,25 @@ def _run(op_args, weights, quantized, options=None):
     return [y, *grads]
 
 
-# (T, K, E, D, F, routing, wgrad, pow2): T never a multiple of the tiles; both wgrad precisions and
-# both scale roundings each appear. (Routing patterns -- top-1, top-8, all tokens on one expert --
-# are the op tests' business, tests/test_mega_moe_fp8.py; here the cached weights must change nothing.)
+# (T, K, E, D, F, routing, pow2): T never a multiple of the tiles; both scale roundings appear.
+# (Routing patterns -- top-1, top-8, all tokens on one expert -- are the op tests' business,
+# tests/test_mega_moe_fp8.py; here the pre-made e4m3 weights must change nothing.)
 _CASES = [
-    pytest.param(37, 2, 4, 256, 128, "empty_expert", "fp8", True, id="T37-top2-emptyexperts-pow2"),
+    pytest.param(37, 2, 4, 256, 128, "empty_expert", True, id="T37-top2-emptyexperts-pow2"),
     # F not a multiple of 128: the dX operand's two zero-padded halves; D a partial scale tile.
-    pytest.param(21, 2, 4, 200, 192, "empty_expert", "bf16", False, id="T21-D200-F192-bf16wgrad"),
+    pytest.param(21, 2, 4, 200, 192, "empty_expert", False, id="T21-D200-F192"),
 ]
 
 
-@pytest.mark.parametrize("T,K,E,D,F,kind,wgrad,pow2", _CASES)
-def test_quantized_weights_give_the_per_call_results(T, K, E, D, F, kind, wgrad, pow2):
+@pytest.mark.parametrize("T,K,E,D,F,kind,pow2", _CASES)
+def test_quantized_weights_give_the_per_call_results(T, K, E, D, F, kind, pow2):
     """mega_fp8 with the weights quantized beforehand equals mega_fp8 quantizing them itself, with
     bf16 weights (bitwise) and with float32 master weights as gradient carriers (bitwise, the
     weight gradients after rounding their float32 values to bf16). Fresh random inputs each run
     (the seed is in the failure message)."""
     seed = random_seed()
     x, ids, s, w1, w3, w2, dy = _inputs(T, K, E, D, F, kind)
-    opts = MegaFP8Options(wgrad=wgrad, pow2_scales=pow2)
+    opts = MegaFP8Options(pow2_scales=pow2)
     want = _run((x, ids, s, dy), (w1, w3, w2), None, opts)
     q = QuantizedExpertWeights.quantize(w1, w3, w2, pow2)
     got_bf16 = _run((x, ids, s, dy), (w1, w3, w2), q, opts)
@@ -82,10 +84,10 @@ def test_quantized_weights_are_checked():
 
 
 def test_expert_mode():
-    assert expert_mode("mega_fp8", torch.bfloat16, True) == "fp8_blockwise"
-    assert expert_mode("mega_fp8", torch.bfloat16, False) == "bf16"  # shards: bf16 copy, per-call FP8
-    assert expert_mode("mega", torch.bfloat16, True) == "bf16"
-    assert expert_mode("grouped_mm", None, True) is None  # float32 training: no cast to cache
+    assert expert_copy_mode("mega_fp8", torch.bfloat16, True) == "fp8_blockwise"
+    assert expert_copy_mode("mega_fp8", torch.bfloat16, False) == "bf16"  # shards: bf16 copy, per-call FP8
+    assert expert_copy_mode("mega", torch.bfloat16, True) == "bf16"
+    assert expert_copy_mode("grouped_mm", None, True) is None  # float32 training: no cast to save
     assert set(MODES) == {"bf16", "fp8_blockwise"}
 
 
@@ -100,15 +102,15 @@ def _train(tmp_path, extra, steps=3):
     ["--moe.backend", "grouped_mm", "--activation_checkpoint.mode", "full", "--compile.enable",
      "--compile.backend", "aot_eager"],
 ], ids=["torch-accum2", "grouped_mm-ac-compiled"])
-def test_bf16_cache_trains_bitwise_like_per_call_casts(tmp_path, extra):
-    """bf16 autocast in one process: the cached copies are the casts each call made, refreshed after
-    every optimizer step; a stale cache would change the second step's loss."""
+def test_bf16_copies_train_bitwise_like_per_call_casts(tmp_path, extra):
+    """bf16 autocast in one process: the copies are the casts each call made, refreshed after every
+    optimizer step; a stale copy would change the second step's loss."""
     cached, losses, state = _train(tmp_path, extra)
-    assert cached.weight_cache_mode == "bf16"
-    plain, plain_losses, plain_state = _train(tmp_path, extra + ["--moe.cache_expert_weights", "false"])
-    assert plain.weight_cache_mode is None
+    assert cached.precision.expert_copies == "bf16"
+    plain, plain_losses, plain_state = _train(tmp_path, extra + ["--precision.compute_copies", "false"])
+    assert plain.precision.expert_copies is None
     assert losses == plain_losses
-    assert state.keys() == plain_state.keys()  # the cache's buffers are not part of the state
+    assert state.keys() == plain_state.keys()  # the copies' buffers are not part of the state
     for k, v in plain_state.items():
         assert torch.equal(state[k], v), k
 
@@ -116,16 +118,16 @@ def test_bf16_cache_trains_bitwise_like_per_call_casts(tmp_path, extra):
 @pytest.mark.parametrize("more", [[], ["--compile.enable", "--compile.backend", "aot_eager", "--activation_checkpoint.mode",
                                    "full", "--activation_checkpoint.keep", "attention_and_moe"]],
                          ids=["eager", "compiled-ac-keep"])
-def test_fp8_cache_trains_like_per_call_quantization(tmp_path, more, narrow_debug_model):
+def test_fp8_copies_train_like_per_call_quantization(tmp_path, more, narrow_debug_model):
     """mega_fp8 in one process: the first step is bitwise (same e4m3 weights); later steps follow
-    closely (the cached path writes the weight gradients in float32, the per-call path in bf16).
-    Compiled, the cache's tensors reach the op through the traced graph."""
+    closely (with copies the weight gradients are written in float32, per call in bf16). Compiled,
+    the copies reach the op through the traced graph (``BackendArgs.quantized``)."""
     # Small (16 tokens): the interpreter runs every FP8 kernel of both runs, compiled ones twice under AC.
-    extra = ["--moe.backend", "mega", "--quantize.moe", "fp8_blockwise", "--model.n_layers", "1",
+    extra = ["--moe.backend", "mega", "--precision.moe", "fp8_blockwise", "--model.n_layers", "1",
              "--training.seq_len", "16", "--training.local_batch_size", "1", *more]
     cached, losses, _ = _train(tmp_path, extra, steps=2)
-    assert cached.weight_cache_mode == "fp8_blockwise"
-    _, plain_losses, _ = _train(tmp_path, extra + ["--moe.cache_expert_weights", "false"], steps=2)
+    assert cached.precision.expert_copies == "fp8_blockwise"
+    _, plain_losses, _ = _train(tmp_path, extra + ["--precision.compute_copies", "false"], steps=2)
     assert losses[0] == plain_losses[0]
     assert losses == pytest.approx(plain_losses, rel=1e-4)
 
@@ -137,7 +139,7 @@ def _expert_grads_each_step(trainer, steps: int) -> tuple[list[float], list[list
     seen, step = [], trainer.optimizer.step
 
     def recording_step(*args, **kwargs):
-        copies = experts.compute_weights
+        copies = experts.copies
         carriers = copies.grad_carriers if copies is not None else []
         seen.append([t.grad.clone() for t in carriers] or [getattr(experts, n).grad.clone() for n in EXPERT_WEIGHTS])
         return step(*args, **kwargs)
@@ -146,18 +148,18 @@ def _expert_grads_each_step(trainer, steps: int) -> tuple[list[float], list[list
     return run_losses(trainer, steps), seen
 
 
-def test_fp8_cache_carries_bf16_gradients(tmp_path, narrow_debug_model):
+def test_fp8_copies_carry_bf16_gradients(tmp_path, narrow_debug_model):
     """With the Triton AdamW in one process the FP8 experts' gradients land on bf16 carriers without
     storage (the parameters get none): bitwise the bf16 gradients the per-call path writes before its
     cast to float32, compiled under full AC (the carriers reach the op through the traced graph). The
     losses follow that run closely, not bitwise: the clipping norm sums the bf16
     gradients in another group than the float32 ones (a last-bit difference in the clip factor)."""
-    extra = ["--moe.backend", "mega", "--quantize.moe", "fp8_blockwise", "--model.n_layers", "1",
+    extra = ["--moe.backend", "mega", "--precision.moe", "fp8_blockwise", "--model.n_layers", "1",
              "--training.seq_len", "16", "--training.local_batch_size", "1", "--optimizer.implementation", "triton",
              "--compile.enable", "--compile.backend", "aot_eager", "--activation_checkpoint.mode", "full"]
     cached = make_trainer(tmp_path / "cached", *extra, base=_BASE)
     experts = cached.model.layers["0"].moe.experts
-    copies = experts.compute_weights
+    copies = experts.copies
     assert copies.mode == "fp8_blockwise" and copies.carries_grads
     carriers = copies.grad_carriers
     assert [tuple(c.shape) for c in carriers] == [tuple(getattr(experts, n).shape) for n in copies.params]
@@ -166,7 +168,7 @@ def test_fp8_cache_carries_bf16_gradients(tmp_path, narrow_debug_model):
     assert all(getattr(experts, n).grad is None for n in copies.params)
     assert all(g.dtype == torch.bfloat16 and g.is_contiguous() for g in grads[0])
     assert not any(k.endswith("_grad_carrier") for k in cached.model.state_dict())
-    plain = make_trainer(tmp_path / "plain", *extra, "--moe.cache_expert_weights", "false", base=_BASE)
+    plain = make_trainer(tmp_path / "plain", *extra, "--precision.compute_copies", "false", base=_BASE)
     plain_losses, plain_grads = _expert_grads_each_step(plain, 2)
     for name, got, want in zip(EXPERT_WEIGHTS, grads[0], plain_grads[0]):
         assert want.dtype == torch.float32 and torch.equal(got, want.bfloat16()) and torch.equal(got.float(), want), name
@@ -175,16 +177,16 @@ def test_fp8_cache_carries_bf16_gradients(tmp_path, narrow_debug_model):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_eager_forward_refreshes_a_stale_cache(tmp_path, mode):
+def test_eager_forward_refreshes_a_stale_copy(tmp_path, mode):
     """Weights changed in place outside the trainer (here: scaled) are seen by the next eager call."""
     backend = "mega" if mode == "fp8_blockwise" else "torch"
     extra = ["--moe.backend", backend, "--model.n_layers", "1"]
     if mode == "fp8_blockwise":
-        extra += ["--quantize.moe", "fp8_blockwise"]
+        extra += ["--precision.moe", "fp8_blockwise"]
     trainer = make_trainer(tmp_path, *extra, base=_BASE)
-    assert trainer.weight_cache_mode == mode
+    assert trainer.precision.expert_copies == mode
     experts = trainer.model.layers["0"].moe.experts
-    assert isinstance(experts.compute_weights, ComputeWeights)
+    assert isinstance(experts.copies, ComputeCopies)
     inputs = next(iter(trainer.dataloader))[0].to(DEVICE)
 
     def forward():
@@ -194,17 +196,18 @@ def test_eager_forward_refreshes_a_stale_cache(tmp_path, mode):
     before = forward()
     with torch.no_grad():
         experts.w2.mul_(3.0)
-    assert experts.compute_weights.is_stale(experts)
+    assert experts.copies.is_stale(experts)
     after = forward()
-    assert not experts.compute_weights.is_stale(experts)
-    experts.compute_weights = None
+    assert not experts.copies.is_stale(experts)
+    assert (experts.args.quantized is not None) == (mode == "fp8_blockwise")
+    experts.use_compute_copies(None, dataclasses.replace(experts.args, quantized=None))
     uncached = forward()
     assert torch.equal(after, uncached)
     assert not torch.equal(before, after)
 
 
-def test_resume_with_cache_gives_same_losses(tmp_path):
-    """A checkpoint load writes the weights in place: the cache is refreshed before the next step."""
+def test_resume_with_copies_gives_same_losses(tmp_path):
+    """A checkpoint load writes the weights in place: the copies are refreshed before the next step."""
     common = ["--moe.backend", "torch", "--checkpoint.enable", "--checkpoint.interval", "2"]
     _, ref, _ = _train(tmp_path / "ref", ["--moe.backend", "torch"], steps=4)
     first = make_trainer(tmp_path, *common, base=_BASE)
@@ -213,7 +216,7 @@ def test_resume_with_cache_gives_same_losses(tmp_path):
         first.train_step(data_iter)
     first.checkpoint.save(2)
     resumed = make_trainer(tmp_path, *common, base=_BASE)
-    assert resumed.weight_cache_mode == "bf16"
+    assert resumed.precision.expert_copies == "bf16"
     resumed.step = resumed.checkpoint.maybe_load()
     data_iter = iter(resumed.dataloader)
     losses = []
@@ -222,14 +225,14 @@ def test_resume_with_cache_gives_same_losses(tmp_path):
     assert losses == ref[2:]
 
 
-def test_optimizer_step_invalidates_the_cache(tmp_path):
+def test_optimizer_step_invalidates_the_copies(tmp_path):
     """Fused AdamW (the trainer's choice on a GPU), and foreach AdamW on DTensors, update the weights
-    without moving their version counters; the trainer's optimizer hook invalidates the caches
-    instead, so a later eager forward refreshes them."""
+    without moving their version counters; the precision step's optimizer hook invalidates the
+    copies instead, so a later eager forward refreshes them."""
     trainer = make_trainer(tmp_path, "--moe.backend", "torch", "--model.n_layers", "1", base=_BASE)
     experts = trainer.model.layers["0"].moe.experts
-    assert not experts.compute_weights.is_stale(experts)
+    assert not experts.copies.is_stale(experts)
     for p in trainer.model.parameters():
         p.grad = torch.ones_like(p)
     trainer.optimizer.step()
-    assert experts.compute_weights._versions is None  # invalidated by the hook, not by the counters
+    assert experts.copies._versions is None  # invalidated by the hook, not by the counters
