@@ -318,7 +318,8 @@ def test_registry_and_trainer_config():
     assert get_moe_backend("mega_fp8").fn is mega_moe_fp8
     cfg = parse_args(["--config", "train_configs/debug_model.toml", "--moe.backend", "mega",
                       "--precision.moe", "fp8_blockwise"])
-    assert Precision(cfg, ParallelDims(1, 1, 1, 1), torch.device("cpu"), False, 1).moe_backend == "mega_fp8"
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    assert Precision(cfg, ParallelDims(1, 1, 1, 1), device, False, 1).moe_backend == "mega_fp8"
 
 
 def test_trains_end_to_end(tmp_path, capsys, narrow_debug_model):

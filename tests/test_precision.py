@@ -14,6 +14,13 @@ from train import main
 ONE = ParallelDims(1, 1, 1, 1)
 
 
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch):
+    """The decisions are read as on the CPU test machine, where Triton's interpreter stands in for a
+    GPU (only the precision room reads it here: no kernel runs), on a GPU machine too."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
 def _precision(*args: str, dims: ParallelDims = ONE, device: str = "cpu", distributed: bool = False,
                accum: int = 1) -> Precision:
     cfg = parse_args(["--config", "train_configs/debug_model.toml", *args])
