@@ -102,6 +102,7 @@ class Precision:
                 "quantization was measured slower than bf16 experts (BENCHMARKS.md); [precision] moe = \"none\" "
                 "runs them in bf16")
         self._model: nn.Module | None = None
+        self._has_copies = False
         self.copied_linears: list[nn.Module] = []
         self.copies_in_optimizer = 0
 
@@ -136,7 +137,7 @@ class Precision:
         """At the start of every optimizer step, outside the compiled graph: remake every copy that
         is not current (an optimizer step or a checkpoint load changed the weights since; their
         versions cannot tell, ``copies.py``)."""
-        if self._model is not None and self._has_copies:
+        if self._has_copies:
             refresh_copies(self._model)
 
     def invalidate(self) -> None:
@@ -146,7 +147,7 @@ class Precision:
 
     def grad_carriers(self) -> list[torch.Tensor]:
         """The copies whose ``.grad`` hold gradients in the parameters' stead (the clip norm counts them)."""
-        return grad_carriers(self._model) if self._model is not None and self.carry_grads else []
+        return grad_carriers(self._model) if self._model is not None else []
 
     def describe(self) -> str:
         """One log line: what the experts and the linears compute with."""

@@ -107,7 +107,7 @@ def register_moe_backend(name: str, routed_rows_only: bool = False, takes: tuple
     """Register ``fn`` under ``name``. ``routed_rows_only``: it reads only the rows of routed tokens
     and takes ``write_empty_rows`` (:class:`BackendArgs`); ``takes``: the other BackendArgs fields it
     reads. Returns ``fn`` unchanged, so the op stays a plain function for direct callers."""
-    unknown = set(takes) - set(_FIELD_KEYWORDS) - {"write_empty_rows"}
+    unknown = set(takes) - set(_FIELD_KEYWORDS)
     if unknown:
         raise ValueError(f"MoE backend {name!r}: unknown BackendArgs fields {sorted(unknown)}")
 
