@@ -28,7 +28,7 @@ from components.config import ConfigError, JobConfig, parse_args
 from components.dataloader import DataError, build_dataloader
 from components.loss import build_loss_fn
 from components.garbage_collection import GarbageCollection
-from components.metrics import MetricsLogger, flops_per_token, format_drops
+from components.metrics import METRICS_FILE, MetricsLogger, flops_per_token, format_drops
 from components.optimizer import build_lr_scheduler, build_optimizer, folds_grad_scale, lr_factor
 from components.precision import Precision
 from components.profiling import StepProfiler
@@ -167,7 +167,8 @@ class Trainer:
             simulated_world=cfg.parallelism.simulate_world_size,
             # TensorBoard on rank 0 only: the scalars are already reduced over the ranks.
             log_dir=os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder) if self.rank == 0 else None,
-            expert_parallel=self.parallel_dims.ep_enabled)
+            expert_parallel=self.parallel_dims.ep_enabled,
+            metrics_path=os.path.join(cfg.job.dump_folder, METRICS_FILE) if self.rank == 0 else None)
         self.amp = self.precision.autocast()
 
     def describe(self) -> str:
@@ -294,7 +295,7 @@ class Trainer:
         data_iter = iter(self.dataloader)
         epoch = self.dataloader.epoch
         stopped_by = 0
-        self.metrics.start()
+        self.metrics.start(self.step + 1)
         self.train_started = time.perf_counter()
         try:
             with GracefulStop(log) as stop, GarbageCollection(t.gc_freq) as collector:
@@ -406,6 +407,9 @@ class Trainer:
             out.append("no checkpoint ([checkpoint] enable = false)")
         if self.metrics.writer is not None:
             out.append(f"TensorBoard {self.metrics.log_dir}")
+        if self.metrics.metrics_path is not None:
+            out.append(f"metrics {self.metrics.metrics_path} (loss curve: python -m bench.loss_curves "
+                       f"{self.cfg.job.dump_folder})")
         out += [f"profile {p.parent}" for p in profiler.written]
         return out
 

@@ -1,23 +1,39 @@
-"""FP8 training parity: the same model, data and seed trained in bf16 and in FP8, loss curves compared.
+"""Training quality at a real horizon: bf16 and FP8, ours and upstream, several seeds, loss compared.
 
-    python -m bench.fp8_parity                          # 4 layers of Qwen3-30B-A3B, 300 steps, seq 8192 (H200)
-    python -m bench.fp8_parity --runs bf16,mega_fp8 --steps 200 --out outputs/fp8_parity
+    python scripts/make_code_corpus.py                               # the corpus (once, ~160 MB)
+    python -m bench.fp8_parity --runs bf16,mega_fp8 --seeds 0,1,2    # 30B shape, 4 layers, seq 16384, 500 steps
+    python -m bench.fp8_parity --runs mega_fp8_all,titan_bf16 --seeds 0 --out outputs/quality_b
+    python -m bench.fp8_parity --report outputs/quality_a outputs/quality_b --out outputs/quality
+    python -m bench.fp8_parity --data stories --steps 300 --seq-len 8192   # the small shipped corpus
 
 Runs our trainer (``train.py`` with the head-to-head's settings, ``bench.compare.plan``) once per
-precision setting, one after another, each in its own process:
+(setting, seed), one after another, each in its own process:
 
-* ``bf16``: ``mega`` backend, bf16 (the reference curve);
+* ``bf16``: ``mega`` backend, bf16 (the reference);
 * ``mega_fp8``: ``mega`` with ``[precision] moe = "fp8_blockwise"`` (our block-scaled FP8 kernels);
 * ``gmm_fp8``: ``grouped_mm`` with ``[precision] moe = "fp8_rowwise"`` (TorchTitan's FP8 method);
 * ``mega_fp8_all``: ``mega_fp8`` plus ``[precision] linear = "fp8_rowwise"`` (attention projections);
 * ``titan_bf16``: upstream TorchTitan 0.2.2's own trainer, bf16, from the TOML ``bench.compare`` writes
-  (the same data, schedule and seed; needs torchtitan installed, else the run is listed as skipped).
+  (same data, schedule and seed number; needs torchtitan installed, else the run is listed as skipped).
 
-The data loader is seeded, so every run sees the same batches in the same order; initial weights come
-from the same seed. Each FP8 curve is compared with the bf16 one by the mean loss over the last 10%
-of steps: the two must agree within 1% at the end. Writes ``parity.json``, ``parity.md``
-and ``parity.png`` (the loss curves; matplotlib, else no chart) into ``--out``, logs in
-``<out>/logs``.
+The seed (``--training.seed``, upstream's ``--debug.seed``) sets the initial weights and our loader's
+sample order, so the runs of one seed differ only in precision. Upstream initialises its own way
+and reads the data in file order (the corpus is shuffled by document when it is made, so its
+prefix is like any other sample); its weights cannot start from ours without a conversion this
+tool does not make, so ours and upstream are compared through the seed spread.
+
+The default data is the code corpus of ``scripts/make_code_corpus.py`` (``data/code/jsonl``, ~108 M
+tokens: 500 steps of 16,384 tokens read under 8% of it, so nothing is seen twice); our runs read it
+pre-tokenized once into ``<out>/tokens`` (``scripts/pretokenize.py``, the same ids), upstream reads
+the JSON lines.
+
+Each run's end loss is its mean loss over the last ``--tail`` steps (50). Per setting: the mean
+over its seeds and the spread (highest minus lowest). Checks: each FP8 setting's mean within 1% of
+bf16's and, with two or more bf16 seeds, no further from it than the bf16 seeds' spread; ours bf16
+within 1% of upstream. Writes ``parity.json``, ``parity.md`` and ``parity.png`` (mean curves with
+their min-max bands, ``bench.loss_curves``) into ``--out``, the logs into ``<out>/logs``. The
+report is rewritten after every run; ``--report DIR ...`` rebuilds it from the logs of earlier
+calls (e.g. runs spread over several GPU sessions) without running anything.
 """
 
 from __future__ import annotations
@@ -26,7 +42,9 @@ import argparse
 import datetime as _dt
 import json
 import os
+import re
 import shlex
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -46,7 +64,7 @@ from bench.compare import (
     write_tokenizer,
 )
 
-# Our run name -> (the head-to-head's run it starts from, extra trainer arguments).
+# Our setting name -> (the head-to-head's run it starts from, extra trainer arguments).
 RUNS = {
     "bf16": ("ours_mega", []),
     "mega_fp8": ("ours_mega_fp8", []),
@@ -54,171 +72,240 @@ RUNS = {
     "mega_fp8_all": ("ours_mega_fp8", ["--precision.linear", "fp8_rowwise"]),
     "titan_bf16": ("titan_bf16", []),
 }
-TOLERANCE = 0.01  # the loss within 1% of bf16 at the end
+REFERENCE = "bf16"
+UPSTREAM = "titan_bf16"
+TOLERANCE = 0.01  # relative difference of the mean end losses
+CODE_CORPUS = ROOT / "data" / "code" / "jsonl"
+LOG_NAME = re.compile(r"^(?P<name>[a-z0-9_]+)\.s(?P<seed>\d+)\.log$")
 
 
-def end_loss(losses: dict[int, float], fraction: float = 0.1) -> float:
-    """Mean loss over the last ``fraction`` of the logged steps (at least one step)."""
-    steps = sorted(losses)
-    tail = steps[-max(1, round(len(steps) * fraction)):]
-    return sum(losses[s] for s in tail) / len(tail)
+def end_loss(losses: dict[int, float], tail: int = 50) -> float:
+    """Mean loss over the last ``tail`` logged steps (all of them if fewer)."""
+    steps = sorted(losses)[-tail:]
+    return sum(losses[s] for s in steps) / len(steps)
 
 
-def compare_curves(curves: dict[str, dict[int, float]], reference: str = "bf16") -> dict[str, dict[str, Any]]:
-    """Per run: its end loss and, for runs other than ``reference``, the relative difference and
-    whether it is within ``TOLERANCE``. A run that stopped early (a time limit) is compared with the
-    reference over the steps both logged, and its row says so."""
-    ref_curve = curves.get(reference) or {}
-    out: dict[str, dict[str, Any]] = {}
-    for name, losses in curves.items():
+def summarize(curves: dict[tuple[str, int], dict[int, float]], steps: int, tail: int) -> dict[str, Any]:
+    """Per run its end loss; per setting the mean and spread over seeds; the checks."""
+    runs: dict[str, dict[str, Any]] = {}
+    by_setting: dict[str, dict[int, float]] = {}
+    for (name, seed), losses in sorted(curves.items()):
+        row: dict[str, Any] = {"setting": name, "seed": seed, "steps": max(losses, default=0)}
         if not losses:
-            out[name] = {"end_loss": None, "status": "no steps logged"}
+            row["status"] = "no steps logged"
+        else:
+            row["end_loss"] = end_loss(losses, tail)
+            if row["steps"] < steps:
+                row["status"] = f"stopped at step {row['steps']} of {steps}: not counted"
+            else:
+                by_setting.setdefault(name, {})[seed] = row["end_loss"]
+        runs[f"{name}.s{seed}"] = row
+    settings = {}
+    for name, ends in by_setting.items():
+        values = list(ends.values())
+        settings[name] = {"seeds": sorted(ends), "end_losses": [ends[s] for s in sorted(ends)],
+                          "mean": statistics.fmean(values), "spread": max(values) - min(values),
+                          "stdev": statistics.stdev(values) if len(values) > 1 else None}
+    return {"runs": runs, "settings": settings, "checks": checks(settings)}
+
+
+def checks(settings: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The quality criteria that the settings present allow."""
+    out = []
+    ref = settings.get(REFERENCE)
+    if ref is None:
+        return out
+    for name, s in settings.items():
+        if name in (REFERENCE, UPSTREAM):
             continue
-        row: dict[str, Any] = {"end_loss": end_loss(losses), "steps": max(losses)}
-        if name != reference and ref_curve:
-            last = min(max(losses), max(ref_curve))
-            if last < max(ref_curve):
-                row["status"] = f"stopped at step {max(losses)}: compared over steps 1-{last}"
-            mine = end_loss({s: v for s, v in losses.items() if s <= last})
-            ref = end_loss({s: v for s, v in ref_curve.items() if s <= last})
-            row["end_loss"] = mine
-            rel = (mine - ref) / ref
-            row.update(rel_diff=rel, within=abs(rel) <= TOLERANCE)
-        out[name] = row
+        rel = (s["mean"] - ref["mean"]) / ref["mean"]
+        out.append({"check": f"{name} within 1% of bf16", "value": rel, "bound": TOLERANCE,
+                    "passed": abs(rel) <= TOLERANCE})
+        if len(ref["seeds"]) > 1:
+            gap = abs(s["mean"] - ref["mean"])
+            out.append({"check": f"{name} within the bf16 seed spread", "value": gap, "bound": ref["spread"],
+                        "passed": gap <= ref["spread"]})
+        paired = [s["end_losses"][i] - ref["end_losses"][ref["seeds"].index(seed)]
+                  for i, seed in enumerate(s["seeds"]) if seed in ref["seeds"]]
+        if paired:
+            s["paired_diff_vs_bf16"] = paired
+    if UPSTREAM in settings:
+        up = settings[UPSTREAM]
+        rel = (ref["mean"] - up["mean"]) / up["mean"]
+        out.append({"check": "bf16 within 1% of upstream", "value": rel, "bound": TOLERANCE,
+                    "passed": abs(rel) <= TOLERANCE})
     return out
 
 
 def markdown(report: dict[str, Any]) -> str:
+    tail = report["tail"]
     lines = [f"`{report['command']}` ({report['date']}): {report['setting']}", "",
-             "| run | steps | mean loss, last 10% | vs bf16 | within 1% |", "| --- | --- | --- | --- | --- |"]
-    for name, row in report["comparison"].items():
-        if row.get("end_loss") is None:
-            lines.append(f"| {name} | | | | {row.get('status', '')} |")
-            continue
-        rel = f"{row['rel_diff']:+.2%}" if "rel_diff" in row else "reference"
-        within = {True: "yes", False: "**no**"}.get(row.get("within"), "")
-        if row.get("status"):
-            within += f" ({row['status']})"
-        lines.append(f"| {name} | {row['steps']} | {row['end_loss']:.4f} | {rel} | {within} |")
+             f"| setting | seeds | end loss per seed (mean of the last {tail} steps) | mean | spread | vs bf16 |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    settings = report["settings"]
+    ref = settings.get(REFERENCE)
+    for name, s in settings.items():
+        rel = "reference" if name == REFERENCE else (f"{(s['mean'] - ref['mean']) / ref['mean']:+.2%}" if ref else "")
+        per_seed = ", ".join(f"s{seed} {v:.4f}" for seed, v in zip(s["seeds"], s["end_losses"]))
+        lines.append(f"| {name} | {len(s['seeds'])} | {per_seed} | {s['mean']:.4f} | {s['spread']:.4f} | {rel} |")
+    others = [f"{k}: {r['status']}" for k, r in report["runs"].items() if r.get("status")]
+    if others:
+        lines += ["", "Not counted: " + "; ".join(others) + "."]
+    if report["checks"]:
+        lines += ["", "| check | value | bound | passed |", "| --- | --- | --- | --- |"]
+        for c in report["checks"]:
+            value = f"{c['value']:+.2%}" if "1%" in c["check"] else f"{c['value']:.4f}"
+            bound = f"{c['bound']:.0%}" if "1%" in c["check"] else f"{c['bound']:.4f}"
+            lines.append(f"| {c['check']} | {value} | {bound} | {'yes' if c['passed'] else '**no**'} |")
     return "\n".join(lines) + "\n"
 
 
-def loss_chart(curves: dict[str, dict[int, float]], path: Path, title: str) -> str:
-    """Loss against step, one line per run (raw, thin) with a 20-step moving average (thick)."""
+def write_report(out: Path, curves: dict[tuple[str, int], dict[int, float]], meta: dict[str, Any]) -> dict[str, Any]:
+    """parity.json, parity.md and parity.png from the curves so far; returns the report."""
+    report = {"date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), **meta,
+              **summarize(curves, meta["steps"], meta["tail"]),
+              "curves": {f"{n}.s{s}": {str(k): v for k, v in c.items()} for (n, s), c in sorted(curves.items())}}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "parity.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    (out / "parity.md").write_text(markdown(report), encoding="utf-8")
+    groups: dict[str, list[dict[int, float]]] = {}
+    for (name, _), losses in sorted(curves.items()):
+        if losses:
+            groups.setdefault(name, []).append(losses)
     try:
-        import matplotlib
+        from bench.loss_curves import CurveError, plot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: no chart"
-    fig, ax = plt.subplots(figsize=(9, 5))
-    for name, losses in curves.items():
-        if not losses:
-            continue
-        steps = sorted(losses)
-        values = [losses[s] for s in steps]
-        (line,) = ax.plot(steps, values, linewidth=0.5, alpha=0.4)
-        window = 20
-        smooth = [sum(values[max(0, i - window + 1): i + 1]) / len(values[max(0, i - window + 1): i + 1])
-                  for i in range(len(values))]
-        ax.plot(steps, smooth, color=line.get_color(), linewidth=1.8, label=name)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
-    ax.set_title(title, fontsize=10)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return "matplotlib"
+        plot(groups, out / "parity.png", f"training loss: {meta['setting']}")
+        report["chart"] = str(out / "parity.png")
+    except (ImportError, CurveError) as e:
+        report["chart"] = f"no chart: {e}"
+    return report
+
+
+def read_logs(dirs: list[Path]) -> tuple[dict[tuple[str, int], dict[int, float]], dict[str, str]]:
+    """The curves and commands in ``<dir>/logs/<setting>.s<seed>.log`` of each dir (later dirs win)."""
+    curves, commands = {}, {}
+    for d in dirs:
+        for log in sorted((d / "logs").glob("*.log")):
+            m = LOG_NAME.match(log.name)
+            if not m or m["name"] not in RUNS:
+                continue
+            text = log.read_text(encoding="utf-8", errors="replace")
+            key = (m["name"], int(m["seed"]))
+            curves[key] = {s: v["loss"] for s, v in parse_step_lines(text).items() if "loss" in v}
+            if text.startswith("$ "):
+                commands[f"{key[0]}.s{key[1]}"] = text.splitlines()[0][2:]
+    return curves, commands
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.fp8_parity", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=tuple(MODELS), default="qwen3_30b_a3b")
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=8192)
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--runs", default="bf16,mega_fp8,gmm_fp8", help=f"comma-separated, of {', '.join(RUNS)}; "
-                   "bf16 is the reference and must be among them")
-    p.add_argument("--timeout", type=float, default=600, help="seconds per run")
+    p.add_argument("--seq-len", type=int, default=16384)
+    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--tail", type=int, default=50, help="end loss: mean over this many last logged steps")
+    p.add_argument("--runs", default="bf16,mega_fp8", help=f"comma-separated, of {', '.join(RUNS)}")
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds; every run is made once per seed")
+    p.add_argument("--data", default=str(CODE_CORPUS), help="a JSON-lines folder (field 'text'), or 'stories' "
+                   "for the shipped corpus; default: the corpus of scripts/make_code_corpus.py")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per run")
     p.add_argument("--out", type=Path, default=ROOT / "outputs" / "fp8_parity")
     p.add_argument("--ours-args", default="", help="extra arguments for every run of our trainer, one string "
                    "(last wins)")
-    p.add_argument("--reuse", action="store_true", help="keep a run whose log in --out already holds all its "
-                   "steps from the same command (to spread the runs over several calls)")
+    p.add_argument("--report", nargs="+", type=Path, metavar="DIR",
+                   help="run nothing: rebuild the report in --out from the logs under these folders")
     args = p.parse_args(argv)
-    names = [n for n in args.runs.split(",") if n]
-    if unknown := set(names) - set(RUNS):
+    args.run_names = [n for n in args.runs.split(",") if n]
+    if unknown := set(args.run_names) - set(RUNS):
         p.error(f"unknown runs {', '.join(sorted(unknown))}; known: {', '.join(RUNS)}")
-    if "bf16" not in names:
-        p.error("--runs must include bf16, the reference curve")
-    args.run_names = names
+    try:
+        args.seed_list = [int(s) for s in args.seeds.split(",") if s]
+    except ValueError:
+        p.error(f"--seeds {args.seeds!r}: expected comma-separated integers")
+    if not args.seed_list or min(args.seed_list) < 0:
+        p.error("--seeds needs at least one seed >= 0")
+    if args.tail < 1:
+        p.error("--tail must be >= 1")
     return args
 
 
-def write_report(args: argparse.Namespace, argv: list[str], out: Path, curves: dict[str, dict[int, float]],
-                 commands: dict[str, str]) -> dict[str, Any]:
-    """parity.json, parity.md and parity.png from the curves so far; returns the report."""
-    report = {
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": "python -m bench.fp8_parity " + shlex.join(argv),
-        "setting": f"{args.model}, {args.layers} layers, seq len {args.seq_len}, {args.steps} steps, seed 0",
-        "commands": commands, "curves": {k: {str(s): v for s, v in c.items()} for k, c in curves.items()},
-        "comparison": compare_curves(curves),
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "parity.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
-    (out / "parity.md").write_text(markdown(report), encoding="utf-8")
-    report["chart"] = loss_chart(curves, out / "parity.png", f"training loss: {report['setting']}")
-    return report
+def prepare_data(args: argparse.Namespace, out: Path, env: dict[str, str]) -> tuple[Path, Path]:
+    """(JSON-lines folder for upstream, the folder our trainer reads): the text pre-tokenized once."""
+    if args.data == "stories":
+        text_dir = write_jsonl_data(out / "data")
+    else:
+        text_dir = Path(args.data).resolve()
+        if not text_dir.is_dir() or not any(text_dir.glob("*.jsonl")):
+            hint = (" (make it with python scripts/make_code_corpus.py, or pass --data stories)"
+                    if text_dir == CODE_CORPUS else "")
+            raise SystemExit(f"error: --data {text_dir} is not a folder of .jsonl files{hint}")
+    if all(n == UPSTREAM for n in args.run_names):
+        return text_dir, text_dir
+    tokens = out / "tokens"
+    stamp = json.dumps(sorted((f.name, f.stat().st_size) for f in text_dir.glob("*.jsonl")))
+    if (tokens / "SOURCE").is_file() and (tokens / "SOURCE").read_text() == stamp:
+        return text_dir, tokens
+    cmd = [sys.executable, str(ROOT / "scripts" / "pretokenize.py"), "--tokenizer", str(TOKENIZER_DIR / "tokenizer.model"),
+           "--dataset", str(text_dir), "--out", str(tokens), "--overwrite"]
+    info = run_one(Run("pretokenize", "pretokenize", "ours", "bf16", cmd), out / "logs" / "pretokenize.txt",
+                   args.timeout, env)
+    if info["returncode"] != 0:
+        raise SystemExit(f"error: pre-tokenizing {text_dir} failed: see {out / 'logs' / 'pretokenize.txt'}")
+    (tokens / "SOURCE").write_text(stamp)
+    return text_dir, tokens
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     out = args.out.resolve()
-    setting = Setting(args.model, args.layers, args.seq_len, args.steps, out)
+    meta = {"command": "python -m bench.fp8_parity " + shlex.join(argv), "steps": args.steps, "tail": args.tail,
+            "setting": f"{args.model}, {args.layers} layers, seq len {args.seq_len}, {args.steps} steps, "
+                       f"data {'stories' if args.data == 'stories' else Path(args.data).name}"}
+    if args.report:
+        curves, commands = read_logs([d.resolve() for d in args.report])
+        report = write_report(out, curves, {**meta, "commands": commands, "from": [str(d) for d in args.report]})
+        print(markdown(report) + f"chart: {report['chart']}", flush=True)
+        return 1 if any(not c["passed"] for c in report["checks"]) else 0
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
     if not (TOKENIZER_DIR / "tokenizer.json").is_file():
         write_tokenizer()
-    data_dir = write_jsonl_data(out / "data")
-    # The caller's overrides are appended below, after each run's own arguments (last wins).
+    text_dir, ours_dir = prepare_data(args, out, env)
+    setting = Setting(args.model, args.layers, args.seq_len, args.steps, out)
     toml_path = out / "torchtitan.toml"
-    if "titan_bf16" in args.run_names:
+    if UPSTREAM in args.run_names:
         toml_path.parent.mkdir(parents=True, exist_ok=True)
-        toml_path.write_text(torchtitan_toml(setting, data_dir=data_dir), encoding="utf-8")
-    by_name = {r.name: r for r in plan(setting, toml_path=toml_path, data_dir=data_dir)}
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    curves: dict[str, dict[int, float]] = {}
+        toml_path.write_text(torchtitan_toml(setting, data_dir=text_dir), encoding="utf-8")
+    by_name = {r.name: r for r in plan(setting, toml_path=toml_path, data_dir=ours_dir)}
+    curves: dict[tuple[str, int], dict[int, float]] = {}
     commands: dict[str, str] = {}
     report: dict[str, Any] = {}
-    for name in args.run_names:
-        base, extra = RUNS[name]
-        planned = by_name[base]
-        cmd = planned.cmd + extra + (shlex.split(args.ours_args) if planned.trainer == "ours" else [])
-        commands[name] = display(cmd)
-        log_path = out / "logs" / f"{name}.log"
-        if planned.skip:
-            print(f"[{name}] skipped: {planned.skip}", flush=True)
-            curves[name] = {}
-            report = write_report(args, argv, out, curves, commands)
-            continue
-        text = log_path.read_text(encoding="utf-8", errors="replace") if log_path.is_file() else ""
-        losses = {s: v["loss"] for s, v in parse_step_lines(text).items() if "loss" in v}
-        if args.reuse and text.startswith("$ " + shlex.join(cmd)) and max(losses, default=0) >= args.steps:
-            curves[name] = losses
-            print(f"[{name}] reused {log_path}: {len(losses)} steps", flush=True)
-        else:
-            info = run_one(Run(name, name, planned.trainer, planned.precision, cmd), log_path, args.timeout, env)
-            text = log_path.read_text(encoding="utf-8", errors="replace")
-            curves[name] = {s: v["loss"] for s, v in parse_step_lines(text).items() if "loss" in v}
-            print(f"[{name}] rc {info['returncode']}{' (timed out)' if info['timed_out'] else ''}, "
-                  f"{len(curves[name])} steps logged, {info['wall_s']} s", flush=True)
-        # The report after every run: a call cut short by its time limit still leaves one.
-        report = write_report(args, argv, out, curves, commands)
+    for seed in args.seed_list:
+        for name in args.run_names:
+            base, extra = RUNS[name]
+            planned = by_name[base]
+            if planned.trainer == "ours":
+                cmd = planned.cmd + extra + ["--training.seed", str(seed)] + shlex.split(args.ours_args)
+            else:
+                cmd = planned.cmd + extra + ["--debug.seed", str(seed)]
+            key = f"{name}.s{seed}"
+            commands[key] = display(cmd)
+            if planned.skip:
+                print(f"[{key}] skipped: {planned.skip}", flush=True)
+                curves[name, seed] = {}
+            else:
+                log_path = out / "logs" / f"{key}.log"
+                info = run_one(Run(key, key, planned.trainer, planned.precision, cmd), log_path, args.timeout, env)
+                text = log_path.read_text(encoding="utf-8", errors="replace")
+                curves[name, seed] = {s: v["loss"] for s, v in parse_step_lines(text).items() if "loss" in v}
+                print(f"[{key}] rc {info['returncode']}{' (timed out)' if info['timed_out'] else ''}, "
+                      f"{len(curves[name, seed])} steps logged, {info['wall_s']} s", flush=True)
+            # The report after every run: a call cut short by its time limit still leaves one.
+            report = write_report(out, curves, {**meta, "commands": commands})
     print(markdown(report) + f"chart: {report['chart']}", flush=True)
-    failed = [n for n, row in report["comparison"].items() if row.get("within") is False or row.get("end_loss") is None]
-    return 1 if failed else 0
+    incomplete = [k for k, r in report["runs"].items() if r.get("status")]
+    return 1 if incomplete or any(not c["passed"] for c in report["checks"]) else 0
 
 
 if __name__ == "__main__":

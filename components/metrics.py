@@ -6,6 +6,7 @@ logged step that dropped any, in TensorBoard at every logged step, and in the su
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import time
@@ -23,6 +24,9 @@ _PEAK_BF16_TFLOPS = {"H100": 989.5, "H200": 989.5, "H800": 989.5, "A100": 312.0}
 # A run longer than this many times [metrics] summary_end_step is summarised from summary_start_step
 # to its end: its first steps say little about the throughput of the whole run.
 LONG_RUN_FACTOR = 5
+
+
+METRICS_FILE = "metrics.jsonl"  # in job.dump_folder
 
 
 def flops_per_token(args: Qwen3MoEArgs, seq_len: int) -> int:
@@ -85,6 +89,8 @@ class MetricsLogger:
     loopback_times: dict[int, float] = field(default_factory=dict)
     # With expert parallelism TensorBoard gets the slots its capacity dropped at every logged step (0 too).
     expert_parallel: bool = False
+    # Every logged step's figures as one JSON line (rank 0), read by ``python -m bench.loss_curves``.
+    metrics_path: str | None = None
 
     def __post_init__(self) -> None:
         self.peak_tflops = device_peak_tflops(self.device, self.cfg.peak_tflops)
@@ -94,14 +100,22 @@ class MetricsLogger:
 
             os.makedirs(self.log_dir, exist_ok=True)
             self.writer = SummaryWriter(self.log_dir)
+        self.metrics_file = None
+        if self.metrics_path is not None:
+            os.makedirs(os.path.dirname(self.metrics_path) or ".", exist_ok=True)
+            # Appended: a resumed run continues the file; its "start" record tells readers to drop
+            # the steps from there on that an earlier run wrote.
+            self.metrics_file = open(self.metrics_path, "a", encoding="utf-8")
         self._last = time.perf_counter()
         self.final_loss: tuple[int, float] | None = None
         # (dropped, routed) (token, expert) slots: per step, and summed over the run.
         self.drops: dict[int, tuple[int, int]] = {}
         self.run_drops = (0, 0)
 
-    def start(self) -> None:
+    def start(self, first_step: int = 1) -> None:
         """Mark the start of the first timed step (after model build and compile warm-up setup)."""
+        if self.metrics_file is not None:
+            self._write({"start": first_step, "time": time.time()})
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self._last = time.perf_counter()
@@ -141,7 +155,14 @@ class MetricsLogger:
                 scalars += [("ep_dropped_slots", dropped), ("ep_dropped_fraction", dropped / routed)]
             for key, value in scalars:
                 self.writer.add_scalar(key, value, step)
+        if self.metrics_file is not None:
+            self._write({"step": step, "loss": loss, "aux_loss": aux_loss, "grad_norm": grad_norm, "lr": lr,
+                         "tps": tps, "step_time": dt, "memory_gib": mem, "tflops": tflops})
         return line
+
+    def _write(self, record: dict) -> None:
+        self.metrics_file.write(json.dumps(record) + "\n")
+        self.metrics_file.flush()
 
     def log_expert_load(self, step: int, tokens_per_expert_LE: torch.Tensor) -> str:
         """The ``[metrics] log_expert_load`` line (and TensorBoard scalars) for one step's counts."""
@@ -190,6 +211,9 @@ class MetricsLogger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.metrics_file is not None:
+            self.metrics_file.close()
+            self.metrics_file = None
 
 
 def format_drops(dropped: int, routed: int) -> str:
