@@ -118,7 +118,8 @@ class Trainer:
         self.dataloader = build_dataloader(t.dataset_path, self.tokenizer, t.seq_len, t.local_batch_size,
                                            dp_rank=dp_rank, dp_world_size=dp, seed=t.seed,
                                            text_field=t.dataset_text_field, hf_config=t.dataset_config_name,
-                                           hf_split=t.dataset_split, log=self.log if self.rank == 0 else None)
+                                           hf_split=t.dataset_split, log=self.log if self.rank == 0 else None,
+                                           shuffle=t.shuffle)
 
         built = time.perf_counter()
         seed_everything(t.seed, t.deterministic)

@@ -7,6 +7,7 @@
     python -m bench.compare ... --profile          # + GPU time by part of each run (bench.step_breakdown)
     python -m bench.compare ... --only titan_bf16,ours_mega --steps 20 --out outputs/compare
     python -m bench.compare ... --only titan_bf16,ours_mega --variant keep_attn="--activation_checkpoint.keep attention"
+    python -m bench.compare ... --titan-variant titan_no_ac="--activation_checkpoint.mode none"   # upstream's modes
     python -m bench.compare ... --dry-run          # write the configs and data, print the commands
     python -m bench.compare --write-tokenizer      # regenerate assets/tokenizer/tokenizer.json
 
@@ -287,9 +288,11 @@ TITAN_FP8_ARGS = ["--model.converters", "quantize.grouped_mm.float8", "--quantiz
 
 def plan(s: Setting, *, toml_path: Path, data_dir: Path, python: str = sys.executable,
          ours_extra: list[str] = (), titan_extra: list[str] = (),
-         variants: list[tuple[str, list[str]]] = ()) -> list[Run]:
+         variants: list[tuple[str, list[str]]] = (), titan_variants: list[tuple[str, list[str]]] = ()) -> list[Run]:
     """Every run of the comparison, in the order they are made; ``variants`` (name, arguments) are
-    ``ours_mega`` with those arguments added, run last (ablations in the same call and table)."""
+    ``ours_mega`` with those arguments added, run last (ablations in the same call and table);
+    ``titan_variants`` are ``titan_bf16`` with upstream's arguments added (its other activation
+    checkpointing modes, say), run after upstream's own runs."""
     # A simulated world runs each trainer as one plain process, rank 0 of N (bench/titan_simulated.py
     # for upstream, [parallelism] simulate_world_size for ours).
     titan_launch = ([python, "-m", "bench.titan_simulated", str(s.simulate_world)] if s.simulate_world else
@@ -332,6 +335,12 @@ def plan(s: Setting, *, toml_path: Path, data_dir: Path, python: str = sys.execu
         Run("titan_bf16", "TorchTitan 0.2.2, bf16", "torchtitan", "bf16", titan, skip=no_titan),
         Run("titan_fp8", "TorchTitan 0.2.2, FP8 experts (torchao rowwise)", "torchtitan", "fp8",
             titan + TITAN_FP8_ARGS, skip=no_torchao),
+    ] + [
+        Run(name, f"TorchTitan 0.2.2, `{shlex.join(args)}`", "torchtitan",
+            "fp8" if "quantize.grouped_mm.float8" in args else "bf16", titan + args,
+            skip=no_torchao if "quantize.grouped_mm.float8" in args else no_titan)
+        for name, args in titan_variants
+    ] + [
         Run("ours_torchtitan", "ours, `torchtitan` backend, bf16", "ours", "bf16",
             ours + ["--moe.backend", "torchtitan", *ours_extra], skip=no_titan_backend),
         Run("ours_grouped_mm", "ours, `grouped_mm` backend, bf16", "ours", "bf16",
@@ -358,13 +367,17 @@ def _variant_backend(args: list[str]) -> str:
     return backend
 
 
-def parse_variant(text: str) -> tuple[str, list[str]]:
+def parse_variant(text: str, flag: str = "--variant") -> tuple[str, list[str]]:
     """``NAME=ARGS`` -> (NAME, ARGS split like a shell): a run of ``ours_mega`` plus ARGS (which may
-    name another backend: the trainer takes the last value of a repeated key)."""
+    name another backend: the trainer takes the last value of a repeated key), or for
+    ``--titan-variant`` of ``titan_bf16`` plus upstream's ARGS."""
     name, sep, args = text.partition("=")
     if not sep or not re.fullmatch(r"[A-Za-z0-9_]+", name) or not args.strip():
-        raise ValueError(f"--variant {text!r}: expected NAME=ARGS, NAME letters, digits and _ (it names the log "
-                         f"file), ARGS our trainer's arguments, e.g. keep_attn='--activation_checkpoint.keep attention'")
+        example = ("titan_sac_op='--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op'"
+                   if flag == "--titan-variant" else "keep_attn='--activation_checkpoint.keep attention'")
+        raise ValueError(f"{flag} {text!r}: expected NAME=ARGS, NAME letters, digits and _ (it names the log "
+                         f"file), ARGS {'upstream' if flag == '--titan-variant' else 'our'} trainer's arguments, "
+                         f"e.g. {example}")
     return name, shlex.split(args)
 
 
@@ -807,6 +820,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
                    help="an extra run NAME: ours_mega with ARGS added (repeatable), e.g. "
                         "no_copies='--precision.compute_copies false'")
+    p.add_argument("--titan-variant", action="append", default=[], metavar="NAME=ARGS",
+                   help="an extra run NAME: titan_bf16 with upstream's ARGS added (repeatable), e.g. "
+                        "titan_no_ac='--activation_checkpoint.mode none'")
     p.add_argument("--repeat", type=int, default=1, help="run the selected runs this many times, interleaved "
                    "(a, b, a, b, ...); the report gives each run's mean tokens/s with its min-max and the "
                    "best-vs-best ratio of each round (upstream's tokens/s moves a few %% between calls)")
@@ -863,11 +879,12 @@ def main(argv: list[str] | None = None) -> int:
     toml_path.write_text(torchtitan_toml(setting, data_dir=data_dir), encoding="utf-8")
     try:
         variants = [parse_variant(v) for v in args.variant]
+        titan_variants = [parse_variant(v, "--titan-variant") for v in args.titan_variant]
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
     runs = plan(setting, toml_path=toml_path, data_dir=data_dir, ours_extra=shlex.split(args.ours_args),
-                titan_extra=shlex.split(args.titan_args), variants=variants)
+                titan_extra=shlex.split(args.titan_args), variants=variants, titan_variants=titan_variants)
     known = [r.name for r in runs]
     if len(set(known)) != len(known):
         print(f"--variant names must differ from each other and from the runs {', '.join(known[:7])}", file=sys.stderr)

@@ -95,16 +95,21 @@ def plot(groups: dict[str, list[dict[int, float]]], path: Path, title: str = "",
     except ImportError:
         raise CurveError('the picture needs matplotlib: pip install -e ".[plot]" (or pip install matplotlib)') from None
     fig, ax = plt.subplots(figsize=(9, 5))
+    frame: list[float] = []  # smoothed values after the first tenth of the steps: the y range shown
     for label, curves in groups.items():
         steps, mean, lo, hi = band(curves, window)
         if not steps:
             raise CurveError(f"{label}: its runs share no logged step")
+        skip = len(steps) // 10
+        frame += lo[skip:] + hi[skip:]
         raw = [sum(c[s] for c in curves) / len(curves) for s in steps]
         (line,) = ax.plot(steps, raw, linewidth=0.5, alpha=0.35)
         name = f"{label} ({len(curves)} runs: mean, min-max)" if len(curves) > 1 else label
         ax.plot(steps, mean, color=line.get_color(), linewidth=1.8, label=name)
         if len(curves) > 1:
             ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.25, linewidth=0)
+    # The first steps' loss (~12 from a random init) would flatten everything after them.
+    ax.set_ylim(min(frame) - 0.05 * (max(frame) - min(frame)) - 0.01, max(frame) + 0.3 * (max(frame) - min(frame)) + 0.01)
     ax.set_xlabel("step")
     ax.set_ylabel(f"training loss ({window}-step moving average)")
     if title:

@@ -101,6 +101,9 @@ class Training:
                                   "cross-entropy fused in chunks of this many tokens, so the (tokens x vocab) "
                                   "logits are never held whole", ge=0)
     seed: int = _field(0, "random seed for initialisation and data order", ge=0)
+    shuffle: bool = _field(True, "visit the samples in an order shuffled from (seed, epoch) every epoch; false "
+                           "reads them in stream order, as upstream TorchTitan's loader does (hf: datasets "
+                           "always stream in order)")
     deterministic: bool = _field(False, "use deterministic algorithms (slower)")
     gc_freq: int = _field(50, "Python garbage collection: automatic collection is off while training and the "
                           "trainer collects every gc_freq steps (Python's own full passes stall the GPU mid-step, "

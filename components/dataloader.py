@@ -25,8 +25,8 @@ How local data is packed (:class:`PackedTextDataLoader`):
     is dropped. Documents run across sample boundaries (packing, no padding, no attention mask).
   * Sample ``i`` (numbered over all streams) belongs to data-parallel rank ``i % dp_world_size``, so
     ranks never share a sample.
-  * Every epoch, a rank visits its samples in an order shuffled from ``(seed, epoch)``, in batches
-    of ``B = local_batch_size``; a last partial batch is dropped, then the next epoch starts. All
+  * Every epoch, a rank visits its samples in an order shuffled from ``(seed, epoch)`` (in stream
+    order with ``[training] shuffle = false``), in batches of ``B = local_batch_size``; a last partial batch is dropped, then the next epoch starts. All
     ranks have the same number of batches per epoch only if their sample counts agree to within B;
     the loader is infinite, so the train loop's step count decides when to stop.
 
@@ -73,11 +73,12 @@ class PackedTextDataLoader:
         dp_rank, dp_world_size: this rank's index among the data-parallel ranks, and their number.
         seed: together with the epoch number, fixes the sample order.
         source: where the tokens came from, for error messages.
+        shuffle: False visits the samples in stream order every epoch (upstream TorchTitan's order).
     """
 
     def __init__(self, tokens: torch.Tensor | np.ndarray | Sequence[torch.Tensor | np.ndarray], seq_len: int,
                  local_batch_size: int, dp_rank: int = 0, dp_world_size: int = 1, seed: int = 0,
-                 source: str = "<tokens>"):
+                 source: str = "<tokens>", shuffle: bool = True):
         _check_sizes(seq_len, local_batch_size, dp_rank, dp_world_size, seed)
         shards = list(tokens) if isinstance(tokens, (list, tuple)) else [tokens]
         self._shards = []
@@ -91,6 +92,7 @@ class PackedTextDataLoader:
         self.dp_rank = dp_rank
         self.dp_world_size = dp_world_size
         self.seed = seed
+        self.shuffle = shuffle
 
         S = seq_len + 1
         self.num_tokens = sum(len(a) for a in self._shards)
@@ -117,6 +119,8 @@ class PackedTextDataLoader:
 
     def _epoch_order(self, epoch: int) -> torch.Tensor:
         """This rank's global sample ids in the order epoch ``epoch`` visits them."""
+        if not self.shuffle:
+            return self._rank_ids.clone()
         # SeedSequence-based: a stable, well-mixed stream for every (seed, epoch) pair.
         perm = np.random.default_rng([self.seed, epoch]).permutation(len(self._rank_ids))
         return self._rank_ids[torch.from_numpy(perm)]
@@ -550,8 +554,8 @@ def _open_hf_dataset(spec: str, text_field: str, config_name: str, split: str) -
 
 def build_dataloader(dataset_path: str, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
                      dp_rank: int = 0, dp_world_size: int = 1, seed: int = 0, text_field: str = "text",
-                     hf_config: str = "", hf_split: str = "train", log: Callable[[str], None] | None = None
-                     ) -> PackedTextDataLoader | StreamingTextDataLoader:
+                     hf_config: str = "", hf_split: str = "train", log: Callable[[str], None] | None = None,
+                     shuffle: bool = True) -> PackedTextDataLoader | StreamingTextDataLoader:
     """The loader for ``dataset_path`` (``[training] dataset_path``) on one DP rank: local files
     are read and tokenized now (or memory-mapped, for ``.bin`` shards); ``hf:<name>`` streams.
     ``log`` (e.g. ``print`` on rank 0) gets the tokenizing progress lines (:class:`TokenizeProgress`)."""
@@ -571,9 +575,9 @@ def build_dataloader(dataset_path: str, tokenizer: Tokenizer, seq_len: int, loca
                                 f"with this tokenizer")
             shards.append(tokens)
         return PackedTextDataLoader(shards, seq_len, local_batch_size, dp_rank, dp_world_size, seed,
-                                    source=str(dataset_path))
+                                    source=str(dataset_path), shuffle=shuffle)
     progress = TokenizeProgress(str(dataset_path), sum(f.stat().st_size for f in files), log)
     tokens = tokenize_documents(iter_documents(files, text_field, progress.add_bytes), tokenizer, progress)
     progress.finish()
     return PackedTextDataLoader(tokens, seq_len, local_batch_size, dp_rank, dp_world_size, seed,
-                                source=str(dataset_path))
+                                source=str(dataset_path), shuffle=shuffle)

@@ -221,6 +221,21 @@ def test_shuffle_is_deterministic_per_seed_and_epoch():
         assert sorted(e[:, 0].tolist()) == sorted((torch.arange(0, 4000, 8) % 997).tolist())
 
 
+def test_unshuffled_loader_reads_the_stream_in_order():
+    """shuffle=False: the packed stream cut into L + 1-token samples in order, every epoch, the
+    global batch of step k being samples k*W ... k*W + W - 1 over the W ranks (upstream's order)."""
+    tokens = torch.arange(4000)
+    loader = PackedTextDataLoader(tokens, seq_len=7, local_batch_size=5, shuffle=False)
+    for _ in range(2):  # two epochs, the same order
+        x = torch.cat([next(loader)[0] for _ in range(loader.batches_per_epoch)])
+        assert torch.equal(x, tokens[:500 * 8].view(500, 8)[:, :7])
+    W = 2
+    ranks = [PackedTextDataLoader(tokens, seq_len=7, local_batch_size=1, dp_rank=r, dp_world_size=W, shuffle=False)
+             for r in range(W)]
+    first_steps = [torch.cat([next(loader)[1] for loader in ranks]) for _ in range(3)]
+    assert torch.equal(torch.cat(first_steps), tokens[:6 * 8].view(6, 8)[:, 1:])
+
+
 def test_state_dict_round_trip(tmp_path):
     write_numbers_corpus(tmp_path, n_docs=20, words_per_doc=9)  # 220 tokens
     make = lambda: build_dataloader(str(tmp_path), NumberTokenizer(), 5, 3, dp_rank=1, dp_world_size=2, seed=7)

@@ -26,22 +26,36 @@ def test_settings_spread_and_checks():
     curves = {("bf16", 0): _curve(3.00), ("bf16", 1): _curve(3.02), ("bf16", 2): _curve(3.01),
               ("mega_fp8", 0): _curve(3.005), ("mega_fp8", 1): _curve(3.025), ("mega_fp8", 2): _curve(3.015),
               ("gmm_fp8", 0): _curve(3.10), ("titan_bf16", 0): _curve(3.00),
-              ("mega_fp8_all", 0): {s: v for s, v in _curve(3.0).items() if s <= 60}}
+              ("mega_fp8_all", 0): {s: v for s, v in _curve(3.0).items() if s <= 60},
+              ("mega_fp8_all", 1): _curve(3.03)}
     r = P.summarize(curves, steps=100, tail=50)
     bf16 = r["settings"]["bf16"]
     assert bf16["mean"] == pytest.approx(3.01) and bf16["spread"] == pytest.approx(0.02)
     assert bf16["end_losses"] == pytest.approx([3.00, 3.02, 3.01]) and bf16["seeds"] == [0, 1, 2]
     assert r["settings"]["mega_fp8"]["paired_diff_vs_bf16"] == pytest.approx([0.005] * 3)
     # A run cut short is listed, not counted.
-    assert "mega_fp8_all" not in r["settings"] and "stopped at step 60" in r["runs"]["mega_fp8_all.s0"]["status"]
+    assert r["settings"]["mega_fp8_all"]["seeds"] == [1] and "stopped at step 60" in r["runs"]["mega_fp8_all.s0"]["status"]
     got = {c["check"]: c["passed"] for c in r["checks"]}
     assert got == {"mega_fp8 within 1% of bf16": True, "mega_fp8 within the bf16 seed spread": True,
                    "gmm_fp8 within 1% of bf16": False, "gmm_fp8 within the bf16 seed spread": False,
-                   "bf16 within 1% of upstream": True}
+                   "mega_fp8_all within 1% of bf16": True, "mega_fp8_all within the bf16 seed spread": True,
+                   "bf16 within 1% of upstream (ours shuffled: other data at the end)": True}
+    # Each check compares the seeds both sides ran: seed 1 against seed 1 (+0.33%), not against
+    # the mean over bf16's three seeds (+0.66%).
+    fp8_all = next(c for c in r["checks"] if c["check"] == "mega_fp8_all within 1% of bf16")
+    assert fp8_all["seeds"] == [1] and fp8_all["value"] == pytest.approx(0.01 / 3.02)
     table = P.markdown({"command": "c", "date": "d", "setting": "s", "tail": 50, **r})
     assert "| bf16 | 3 | s0 3.0000, s1 3.0200, s2 3.0100 | 3.0100 | 0.0200 | reference |" in table
-    assert "| gmm_fp8 within 1% of bf16 | +2.99% | 1% | **no** |" in table
+    assert "| gmm_fp8 | 1 | s0 3.1000 | 3.1000 | 0.0000 | +3.33% (s0) |" in table
+    assert "| gmm_fp8 within 1% of bf16 | 0 | +3.33% | 1% | **no** |" in table
     assert "mega_fp8_all.s0: stopped at step 60 of 100: not counted" in table
+
+
+def test_upstream_is_compared_with_ours_in_stream_order_when_it_ran():
+    curves = {("bf16", 0): _curve(3.0), ("titan_bf16", 0): _curve(3.2), ("bf16_in_order", 0): _curve(3.19)}
+    (check,) = P.summarize(curves, steps=100, tail=50)["checks"]
+    assert check["check"] == "bf16 within 1% of upstream, same data order" and check["passed"]
+    assert check["value"] == pytest.approx(-0.01 / 3.2)
 
 
 def test_one_bf16_seed_has_no_spread_check():
