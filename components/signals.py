@@ -33,8 +33,9 @@ REPEAT_GRACE_S = 1.0
 
 
 class GracefulStop:
-    def __init__(self, log: Callable[[str], None] = lambda msg: None):
+    def __init__(self, log: Callable[[str], None] = lambda msg: None, clock: Callable[[], float] = time.monotonic):
         self.log = log  # the acknowledgement line (rank 0's logger under torch.distributed)
+        self._clock = clock  # read once per signal taken in, against REPEAT_GRACE_S (a test steps it by hand)
         self.signum = 0  # the signal this process stops for; 0 = none yet
         self._first_at = 0.0
         self._lock = threading.Lock()
@@ -76,7 +77,7 @@ class GracefulStop:
     def _received(self, signum: int) -> None:
         name = signal.Signals(signum).name
         with self._lock:
-            now = time.monotonic()
+            now = self._clock()
             if not self.signum:
                 self.signum, self._first_at = signum, now
                 self.log(f"{name} received: finishing the current step, then saving a checkpoint and exiting "
@@ -103,7 +104,7 @@ class GracefulStop:
                 adopted = signum and not self.signum
                 if adopted:
                     # Stopping for another rank's signal: the copy this rank may receive next is no second signal.
-                    self.signum, self._first_at = signum, time.monotonic()
+                    self.signum, self._first_at = signum, self._clock()
             if adopted:
                 self.log(f"{signal.Signals(signum).name} received by another rank: stopping after this step")
         return signum

@@ -4,13 +4,17 @@
 - ``kernels``: Triton kernels, on CPU through Triton's interpreter (slow per call: small shapes).
 - ``integration``: several processes (the gloo pool of tests/multiprocess.py), the trainer end to
   end, inductor compiles.
-- ``gpu``: needs CUDA; skipped without it (the GPU machine runs ``pytest -m gpu``).
+- ``gpu``: needs CUDA; the marker itself skips the test without it (the GPU machine runs
+  ``pytest -m gpu``).
 
 Every test gets exactly one of the first three: a tier marker on the test itself wins, else its
 module's tier from ``MODULE_TIERS`` below (so modules need no marker of their own); a test with
 neither stops the collection with an error naming its module, so a new file is given a tier
-deliberately rather than running in the wrong one. ``gpu`` is added
-on top to any test whose ``skipif`` skips exactly when CUDA is missing, for a reason naming the GPU. Select with
+deliberately rather than running in the wrong one. ``gpu`` is given by hand, on top: on a test, a
+module (``pytestmark``) or one case (``pytest.param(..., marks=pytest.mark.gpu)``); a test that
+needs more than CUDA (a Hopper GPU) keeps its own ``skipif`` beside it. Without CUDA, a test that is
+skipped for a reason naming CUDA or a GPU but lacks the marker fails instead
+(:func:`unmarked_gpu_skip`): ``pytest -m gpu`` would never select it. Select with
 ``pytest -m unit``, ``-m "not integration"``, ``-m "kernels or unit"``, ...; the full run
 (``pytest tests``) prints the time spent per tier at the end.
 
@@ -18,6 +22,7 @@ Shared helpers live in tests/utils.py; the shared fixture is below.
 """
 
 import os
+import re
 import sys
 import time
 from collections import defaultdict
@@ -27,7 +32,8 @@ import torch
 
 # Without a GPU, Triton kernels run through Triton's CPU interpreter. The variable must be set
 # before triton is first imported (importing torch does not import it).
-if not torch.cuda.is_available():
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TIERS = ("unit", "kernels", "integration")
@@ -47,6 +53,8 @@ MODULE_TIERS = {
     "test_expert_copies": "kernels",
     "test_fp8": "kernels",
     "test_fp8_parity": "kernels",
+    "test_loss_curves": "unit",
+    "test_gpu_marker": "unit",
     "test_grouped_mm_fp8": "kernels",
     "test_hf": "unit",
     "test_hopper_gemm": "kernels",
@@ -75,16 +83,32 @@ TEST_TIERS = {
 }
 
 
-def _is_gpu_only(item) -> bool:
-    """A ``skipif`` that skips exactly when there is no CUDA device, for a reason naming the GPU."""
-    no_cuda = not torch.cuda.is_available()
-    for mark in item.iter_markers("skipif"):
-        reason = str(mark.kwargs.get("reason", "")).lower()
-        conditions = [*mark.args, *([mark.kwargs["condition"]] if "condition" in mark.kwargs else [])]
-        if any(w in reason for w in ("cuda", "gpu", "h200", "sm_")) and conditions and all(
-                isinstance(c, bool) and c == no_cuda for c in conditions):
-            return True
-    return False
+# The reason every ``gpu`` test is skipped with on a machine without CUDA.
+NO_CUDA_REASON = "needs a CUDA GPU (marked gpu)"
+# A skip reason naming CUDA, a GPU or an sm_ architecture: the test was skipped for want of one.
+GPU_REASON = re.compile(r"\b(cuda|gpu|sm_\d)", re.IGNORECASE)
+
+
+def _skip_reason(report) -> str:
+    """The reason of a skipped test's or module's report (pytest keeps it as "Skipped: <reason>")."""
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def unmarked_gpu_skip(report, marked: bool) -> str | None:
+    """Why ``report`` (a test's or a module's) must fail: it was skipped for want of a GPU, on a
+    machine without CUDA, and does not carry the ``gpu`` marker (``marked``), so the GPU machine's
+    ``pytest -m gpu`` never selects it; None when nothing is wrong."""
+    if HAS_CUDA or marked or not report.skipped or hasattr(report, "wasxfail"):
+        return None
+    reason = _skip_reason(report)
+    if not GPU_REASON.search(reason):
+        return None
+    return (f"{report.nodeid} was skipped for want of a GPU ({reason!r}) but is not marked gpu, so "
+            f"`pytest -m gpu` on a GPU machine never selects it: mark it @pytest.mark.gpu (one case of a "
+            f"parametrization: pytest.param(..., marks=pytest.mark.gpu); a module: pytestmark = "
+            f"pytest.mark.gpu), which also skips it without CUDA")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -99,8 +123,8 @@ def pytest_collection_modifyitems(config, items):
                 untiered[module] = item.nodeid.split("::")[0]
                 continue
             item.add_marker(getattr(pytest.mark, tier))
-        if _is_gpu_only(item):
-            item.add_marker(pytest.mark.gpu)
+        if not HAS_CUDA and item.get_closest_marker("gpu"):
+            item.add_marker(pytest.mark.skip(reason=NO_CUDA_REASON))
     if untiered:
         raise pytest.UsageError("\n".join(
             f"{path} has no test tier: add \"{module}\": \"unit\" (or \"kernels\", \"integration\") to MODULE_TIERS "
@@ -131,6 +155,23 @@ def narrow_debug_model(monkeypatch):
 
 _TIER_SECONDS: dict[str, float] = defaultdict(float)
 _TIER_COUNTS: dict[str, int] = defaultdict(int)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    failure = unmarked_gpu_skip(report, marked=item.get_closest_marker("gpu") is not None)
+    if failure:
+        report.outcome, report.longrepr = "failed", failure
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    # A module that skips itself for want of a GPU hides its tests from `pytest -m gpu` the same way.
+    report = (yield).get_result()
+    failure = unmarked_gpu_skip(report, marked=False)
+    if failure:
+        report.outcome, report.longrepr = "failed", failure
 
 
 @pytest.hookimpl(hookwrapper=True)

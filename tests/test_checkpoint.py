@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import subprocess
-import time
 import warnings
 
 import pytest
@@ -235,10 +234,11 @@ def run_tiny(capsys, dump, *args) -> tuple[int, str, list[str]]:
 
 
 def refused_at_start(capsys, *args) -> str:
-    start = time.perf_counter()
     rc, out, err = run_tiny(capsys, *args)
-    assert rc == 2 and time.perf_counter() - start < 5, (rc, out, err)
-    assert not logged_steps(out) and len(err) == 1, (out, err)  # before any step, one line
+    # Nothing printed: refused before the run's header, which comes before tokenizing and the model
+    # build (how long that took depends on the machine's load; what was done does not).
+    assert rc == 2 and out == "", (rc, out, err)
+    assert len(err) == 1, err  # one line
     return err[0]
 
 

@@ -259,6 +259,39 @@ def test_variants_are_ours_mega_plus_their_arguments(tmp_path):
     assert compare.main(["--variant", "ours_mega=--compile.loss false", "--dry-run", "--out", str(tmp_path / "o")]) == 2
 
 
+def test_titan_variants_are_upstream_bf16_plus_their_arguments(tmp_path):
+    """--titan-variant: upstream's own trainer with its arguments added (another activation
+    checkpointing mode, say), run after upstream's runs; the best of them is upstream's best."""
+    setting, data_dir, toml_path, runs = _plan(tmp_path)
+    sac = compare.parse_variant("titan_sac_op=--activation_checkpoint.mode selective "
+                                "--activation_checkpoint.selective_ac_option op", "--titan-variant")
+    planned = compare.plan(setting, toml_path=toml_path, data_dir=data_dir, titan_variants=[sac])
+    names = [r.name for r in planned]
+    assert names == names[:2] + ["titan_sac_op"] + [r.name for r in runs[2:]]
+    run = planned[2]
+    assert run.trainer == "torchtitan" and run.precision == "bf16"
+    assert run.cmd == planned[0].cmd + sac[1] and "selective_ac_option op" in run.label
+    with pytest.raises(ValueError, match="--titan-variant 'x': expected NAME=ARGS.*upstream trainer's"):
+        compare.parse_variant("x", "--titan-variant")
+    results = [{"name": "titan_bf16", "trainer": "torchtitan", "precision": "bf16", "status": "ok", "tokens_per_s": 100.0},
+               {"name": "titan_sac_op", "trainer": "torchtitan", "precision": "bf16", "status": "ok", "tokens_per_s": 125.0},
+               {"name": "ours_mega", "trainer": "ours", "precision": "bf16", "status": "ok", "tokens_per_s": 250.0}]
+    ratios = compare.add_ratios(results)
+    assert ratios["titan_best"] == "titan_sac_op" and ratios["ours_best_vs_titan_best"] == pytest.approx(2.0)
+    assert ratios["same_precision_bf16"] == pytest.approx(2.5)  # against upstream's bf16 in its full AC
+
+
+def test_titan_variant_parses_with_upstream_config_manager(tmp_path):
+    config = pytest.importorskip("torchtitan.config")
+    setting, data_dir, toml_path, _ = _plan(tmp_path)
+    planned = compare.plan(setting, toml_path=toml_path, data_dir=data_dir, titan_variants=[
+        compare.parse_variant("sac=--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op",
+                              "--titan-variant")])
+    cmd = planned[2].cmd
+    jc = config.ConfigManager().parse_args(cmd[cmd.index("--job.config_file"):])
+    assert (jc.activation_checkpoint.mode, jc.activation_checkpoint.selective_ac_option) == ("selective", "op")
+
+
 def test_several_gpus_run_under_torchrun_with_ep(tmp_path):
     """The multi-GPU setting: every run is torchrun with --gpus processes, EP --ep in both trainers."""
     from components.config import parse_args
@@ -320,7 +353,7 @@ def test_titan_simulated_starts_upstream_as_rank_0_of_a_loopback_world(tmp_path)
         "    print('entry', dist.get_backend(), dist.get_world_size(), dist.get_rank(), os.environ['LOCAL_RANK'],\n"
         "          os.environ['WORLD_SIZE'], sys.argv[1:])\n"
         "sys.exit(titan_simulated.main(['4', '--job.config_file', 'x.toml'], entry=entry))\n")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
                          cwd=compare.ROOT)
     assert out.returncode == 0, out.stderr
     assert "simulating rank 0 of 4 ranks in one process (upstream TorchTitan" in out.stdout
@@ -373,7 +406,7 @@ def test_upstream_expert_parallel_runs_in_a_loopback_world():
 
     pytest.importorskip("torchtitan.distributed.expert_parallel")
     out = subprocess.run([sys.executable, "-c", _UPSTREAM_EP_IN_LOOPBACK], capture_output=True, text=True,
-                         timeout=300, cwd=compare.ROOT)
+                         timeout=600, cwd=compare.ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     _, maxdiff, _, finite, _, _ = out.stdout.split()
     assert float(maxdiff) < 1e-6 and finite == "True", out.stdout

@@ -3,7 +3,10 @@
 Each layout trains the same initial weights on the same global batches: rank r of a
 data-parallel group of size dp takes rows [r*B, (r+1)*B) of every global batch, and the
 single-process reference takes the same dp micro-batches in turn with gradient accumulation.
-Losses and parameters must agree within float32 tolerance.
+Losses, every parameter's gradient before the clip (at each step, after all gradient reductions)
+and the parameters after the run must agree within float32 tolerance; the gradients are checked
+because the clip and AdamW are blind to a gradient's scale, so a wrong reduction divisor leaves
+the losses and parameters nearly as they should be.
 """
 
 from __future__ import annotations
@@ -13,8 +16,8 @@ import sys
 import pytest
 import torch
 
-from tests.utils import (DIST_BASE, LOCAL_BS, SEQ, STEPS, assert_same_training, batch_iter,  # noqa: F401
-                         free_port, full_state, global_batches, load_full_state, run_job, run_steps)
+from tests.utils import (DIST_BASE, LOCAL_BS, SEQ, STEPS, assert_same_grads, assert_same_training,  # noqa: F401
+                         batch_iter, free_port, full_state, global_batches, load_full_state, run_job, run_steps)
 
 # Tier: integration (tests/conftest.py), but for the config checks marked unit below.
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="multi-process tests use gloo on Linux")
@@ -27,7 +30,8 @@ def _train_job(rank: int, world: int, args: list[str], init_path: str | None, mo
                ckpt_dir: str | None = None, steps: int = STEPS) -> dict | None:
     """One layout's run on every rank of the gloo pool (tests/multiprocess.py): ``train`` the
     global batches from the initial weights, also ``save`` a checkpoint after them, ``resume``
-    from ``ckpt_dir`` on other batches, or ``overflow`` (expect the EP capacity error)."""
+    from ``ckpt_dir`` on other batches, or ``overflow`` (expect the EP capacity error). Rank 0
+    returns the losses, every step's full gradients before the clip, and the full state."""
     from components.config import parse_args
     from train import ExpertCapacityError, Trainer
 
@@ -41,23 +45,25 @@ def _train_job(rank: int, world: int, args: list[str], init_path: str | None, mo
         except ExpertCapacityError as e:
             return {"message": str(e)}
         raise AssertionError("an overflow of the EP buffers went unreported")
+    grads = []
     if mode == "resume":
         trainer.step = trainer.checkpoint.maybe_load()
-        losses = run_steps(trainer, global_batches(dp, seed=1), dp, False, start_step=trainer.step)
+        losses = run_steps(trainer, global_batches(dp, seed=1), dp, False, start_step=trainer.step, grads=grads)
     else:
         load_full_state(trainer.model, torch.load(init_path))
-        losses = run_steps(trainer, global_batches(dp, steps), dp, False)
+        losses = run_steps(trainer, global_batches(dp, steps), dp, False, grads=grads)
         if mode == "save":
             trainer.checkpoint.save(STEPS)
     state = full_state(trainer.model)
-    return {"losses": losses, "state": state, "copies": trainer.precision.expert_copies} if rank == 0 else None
+    return ({"losses": losses, "grads": grads, "state": state, "copies": trainer.precision.expert_copies}
+            if rank == 0 else None)
 
 
 def spawn(world: int, args: list[str], init_path: str, out_path: str | None = None, mode: str = "train",
           ckpt_dir=None, steps: int = STEPS) -> dict:
     """``world`` gloo ranks train ``args`` (a layout) from the weights at ``init_path``; rank 0's
-    losses and full state. Runs in the session's pool of ``world`` workers (no spawn per call);
-    ``out_path`` is unused (kept for callers of the old one-spawn-per-call version)."""
+    losses, gradients and full state. Runs in the session's pool of ``world`` workers (no spawn per
+    call); ``out_path`` is unused (kept for callers of the old one-spawn-per-call version)."""
     return run_job(world, _train_job, args=args, init_path=init_path, mode=mode, ckpt_dir=ckpt_dir, steps=steps)
 
 
@@ -75,15 +81,17 @@ def reference(tmp_path_factory):
             torch.save(full_state(trainer.model), out["init"])
         else:
             load_full_state(trainer.model, torch.load(out["init"]))
-        losses = run_steps(trainer, global_batches(dp), dp, accumulate=True)
-        out[dp] = {"losses": losses, "state": full_state(trainer.model), "trainer": trainer}
+        grads = []
+        losses = run_steps(trainer, global_batches(dp), dp, accumulate=True, grads=grads)
+        out[dp] = {"losses": losses, "grads": grads, "state": full_state(trainer.model), "trainer": trainer}
     # One layer, two steps (the second's loss follows the first's update), for the layouts whose
     # experts run in Triton's interpreter: 1/3 of the work of the 2-layer, 3-step runs.
     trainer = Trainer(parse_args(BASE + SHORT + ["--training.global_batch_size", str(2 * LOCAL_BS)]))
     out["short_init"] = str(tmp / "short_init.pt")
     torch.save(full_state(trainer.model), out["short_init"])
-    out["short", 2] = {"losses": run_steps(trainer, global_batches(2, SHORT_STEPS), 2, accumulate=True),
-                       "state": full_state(trainer.model)}
+    grads = []
+    out["short", 2] = {"losses": run_steps(trainer, global_batches(2, SHORT_STEPS), 2, accumulate=True, grads=grads),
+                       "grads": grads, "state": full_state(trainer.model)}
     return out
 
 
@@ -181,8 +189,10 @@ def test_save_at_4_ranks_load_at_2(reference, tmp_path):
     assert single.checkpoint.maybe_load() == STEPS
     for name, value in full_state(single.model).items():
         assert torch.equal(value, saved["state"][name]), name
-    losses = run_steps(single, global_batches(2, seed=1), 2, accumulate=True, start_step=STEPS)
+    grads = []
+    losses = run_steps(single, global_batches(2, seed=1), 2, accumulate=True, start_step=STEPS, grads=grads)
     assert resumed["losses"] == pytest.approx(losses, rel=1e-5)
+    assert_same_grads(resumed["grads"], grads)
 
 
 def _init_job(rank: int, world: int, args: list[str]) -> dict | None:
@@ -347,6 +357,24 @@ def test_expert_load_is_summed_once_with_expert_bias(reference):
 
 
 @pytest.mark.unit
+def test_gradient_check_catches_one_scaled_piece():
+    """assert_same_grads fails on a 1.1x scale of one expert's slice or of a norm's gradient, and on
+    any gradient where the reference's is zero (an expert without tokens)."""
+    gen = torch.Generator().manual_seed(0)
+    w1, norm = "layers.0.moe.experts.w1", "norm.weight"
+    want = {w1: torch.randn(4, 8, 16, generator=gen), norm: torch.randn(16, generator=gen)}
+    want[w1][2] = 0.0  # expert 2 got no tokens
+    assert_same_grads([want], [{k: v.clone() for k, v in want.items()}])
+    for name, index, value, failure in [(w1, 1, 1.1 * want[w1][1], r"experts\.w1\[1\]: .*\|\|g_ref\|\| = 1\.1000"),
+                                        (norm, ..., 1.1 * want[norm], r"norm\.weight: .*\|\|g_ref\|\| = 1\.1000"),
+                                        (w1, 2, 1e-6, r"experts\.w1\[2\]: .*\|\|g_ref\|\| = 0\.000e\+00")]:
+        got = {k: v.clone() for k, v in want.items()}
+        got[name][index] = value
+        with pytest.raises(AssertionError, match=failure):
+            assert_same_grads([got], [want])
+
+
+@pytest.mark.unit
 def test_expert_parallel_chunks_must_be_positive():
     from components.config import ConfigError, parse_args
 
@@ -392,12 +420,17 @@ def test_bad_parallel_configs(world, args, pattern):
 ], ids=["ep2", "ep2-chunks2", "dp_shard4-ep2"])
 def test_expert_compute_copies_under_ep(reference, tmp_path, world, ep_args):
     """bf16 compute with EP: each rank keeps the bf16 compute copy of its expert shard (DTensor
-    parameters, refreshed after each optimizer step); training is bitwise that of the per-call casts."""
+    parameters, refreshed after each optimizer step); training, gradients included, is bitwise that
+    of the per-call casts."""
     bf16 = ["--training.mixed_precision_param", "bfloat16"] + ep_args
     got = spawn(world, bf16, reference["init"])
     want = spawn(world, bf16 + ["--precision.compute_copies", "false"], reference["init"])
     assert (got["copies"], want["copies"]) == ("bf16", None)
     assert got["losses"] == want["losses"]
+    for step, (got_grads, want_grads) in enumerate(zip(got["grads"], want["grads"], strict=True), 1):
+        assert got_grads.keys() == want_grads.keys()
+        for name, value in want_grads.items():
+            assert value is not None and torch.equal(got_grads[name], value), f"step {step}: {name}'s gradient"
     for name, value in want["state"].items():
         assert torch.equal(got["state"][name], value), name
 
@@ -454,7 +487,7 @@ def test_torchrun_prints_an_error_once(tmp_path, args, error):
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                           str(ROOT / "train.py"), "--config", str(ROOT / "train_configs" / "debug_model.toml"),
                           "--training.device", "cpu", *args],
-                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode != 0
     errors = [line for line in (out.stdout + out.stderr).splitlines() if line.startswith("error:")]
     assert errors == [f"error: {error}"], out.stderr

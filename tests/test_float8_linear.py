@@ -211,7 +211,7 @@ def test_train_main_with_fp8_linears_and_experts(tmp_path, capsys):
     assert_steps_close(out, want, steps=2, rel=2e-3)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU with FP8 (sm_89+)")
+@pytest.mark.gpu  # FP8 matmuls: sm_89 or newer
 @pytest.mark.parametrize("M,K,N", [(1000, 256, 384), (4096, 2048, 512)])
 def test_fp8_linear_cuda(M, K, N):
     gen = torch.Generator().manual_seed(6)
@@ -259,7 +259,7 @@ def test_fsdp2_trains_like_one_process(tmp_path):
         assert diff.max() < 2 * 3e-3 * 2, f"{name}: {diff.max():.2e} apart (beyond 2 updates of lr 3e-3)"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU with FP8 (sm_89+)")
+@pytest.mark.gpu  # FP8 matmuls: sm_89 or newer
 @pytest.mark.parametrize("dy_scale", [1.0, 1e-7])
 def test_fp8_linear_cuda_compiled_as_trained(dy_scale):
     """The projection as the trainer runs it on the GPU: a float32 weight under bf16 autocast,
@@ -290,7 +290,7 @@ def test_fp8_linear_cuda_compiled_as_trained(dy_scale):
         assert max(errs.values()) < 0.05, f"{label}: relative errors {errs}"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU with FP8 (sm_89+)")
+@pytest.mark.gpu  # FP8 matmuls: sm_89 or newer
 @pytest.mark.parametrize("keep", ["none", "attention_and_moe"])
 def test_fp8_linear_trainer_gradients_cuda(tmp_path, keep):
     """One micro-batch through the trainer's compiled, checkpointed model on the GPU: every

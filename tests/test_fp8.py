@@ -25,6 +25,7 @@ from kernels.common.routing import sort_by_expert, tile_table  # noqa: E402
 
 from tests.triton_interpreter import DEVICE, skip_unless_runnable  # noqa: E402
 from tests.triton_interpreter import HAS_CUDA as _HAS_CUDA  # noqa: E402
+from tests.bounds import assert_rows_close  # noqa: E402
 from tests.utils import make_routing, random_seed  # noqa: E402
 
 skip_unless_runnable(Q._quantize_1x128_kernel, "kernels.fp8")
@@ -610,7 +611,7 @@ def test_quantizers_compile_for_sm90_with_the_hardware_cast(tmp_path):
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not _HAS_CUDA, reason="needs a CUDA GPU (H200)")
+@pytest.mark.gpu
 def test_gpu_gate_up_at_30b_shape():
     """Accuracy at the Qwen3-30B-A3B expert shape (D 2048, F 768, E 128, top-8) on the GPU:
     tight vs the dequantized float64 reference on a few experts, FP8-level vs bf16."""
@@ -625,8 +626,8 @@ def test_gpu_gate_up_at_30b_shape():
     w3q, w3s = Q.quantize_weight(w3)
     h, a, (aq, as_) = G.fp8_gate_up_swiglu(xq, xs, w1q, w1s, w3q, w3s, slots, offs, K, quantize_a=True)
     g, _, _ = G.fp8_gate_up_swiglu_ref(xq, xs, w1q, w1s, w3q, w3s, slots, offs, K)
-    rel = ((h[:, :F].double() - g).norm() / g.norm()).item()
-    assert rel < 4e-3, f"seed {seed}: vs dequantized reference {rel}"
+    # Row by row (tests/bounds.py): bf16 rounding gives ~2e-3 per row, a dropped or misplaced slot row 1.
+    assert_rows_close(h[:, :F], g, 1e-2, "gate", f"seed {seed}: vs dequantized reference")
     _assert_same_q((aq, as_), Q.quantize_1x128(a), f"seed {seed}: fused A quantization")
 
 

@@ -21,6 +21,9 @@ shapes); with one, the same tests run on it, plus one at the Qwen3-30B expert sh
   within one bf16 ulp per element, ``TIGHT_BOUND`` in Frobenius norm — except where a value each
   side computes itself is quantized again (y, dx, dW), where an amax flip moves a whole 128-block:
   ``REQUANT_BOUND`` and 5% of entries (``_assert_tight`` says why and what was measured).
+  Then piece by piece (tests/bounds.py: each token's row of y, H and dx, each expert's weight
+  gradient and its rows and columns, each routing-weight gradient against its terms), so that one
+  dropped slot or one token missing from an expert's weight gradient fails (``PIECES``).
 
 Inputs are fresh random draws each run; the seed is in every failure message (TEST_SEED=<n> replays it).
 """
@@ -38,7 +41,9 @@ from kernels.moe.mega_fp8 import backward as B  # noqa: E402
 from kernels.common.routing import sort_by_expert  # noqa: E402
 from kernels.moe.mega_fp8.reference import mega_moe_fp8_backward_ref, mega_moe_fp8_forward_ref  # noqa: E402
 from kernels.moe.reference import moe_reference  # noqa: E402
+from kernels.fp8.grouped_gemm import fp8_grouped_gemm_ref  # noqa: E402
 
+from tests.bounds import MoEBounds, assert_rows_close, routing_grad_terms  # noqa: E402
 from tests.triton_interpreter import DEVICE, skip_unless_runnable  # noqa: E402
 from tests.triton_interpreter import HAS_CUDA as _HAS_CUDA  # noqa: E402
 from tests.utils import (  # noqa: E402
@@ -51,6 +56,15 @@ FP8_BOUND = 0.08
 DS_BOUND = 0.2
 TIGHT_BOUND = 5e-3
 REQUANT_BOUND = 2e-2  # see _assert_tight
+# Per piece against the quantized pipeline (tests/bounds.py), ~3x what correct code measures with the
+# GPU's FP8 accumulation emulated (docs/testing.md, "Bounds that catch a dropped slot"). y (against
+# the reference's down stage fed the op's own H) and H are requantized from nothing the two sides
+# compute differently: the row bound is far below a slot's usual share of its token's row.
+ROWS_BOUND = 2e-2
+# dx and the weight gradients come from a dH that each side computes from its own dA': where a
+# one-ulp difference flips a 1 x 128 block's amax, every code of the block moves (with power-of-two
+# scales by up to a factor of 2 in scale), so their rows, lines and experts get wider bounds.
+PIECES = MoEBounds(rows=8e-2, expert=4e-2, lines=0.25, terms=1.5e-2)
 GRADS = ("x", "topk_weights", "w1", "w3", "w2")
 
 pytestmark = [
@@ -162,6 +176,13 @@ def _check(T, K, E, D, F, kind, outliers=False, pow2=False, dh_quant=False, engi
     for name, g, w, m in zip(("x", "w1", "w3", "w2", "topk_weights"), (grads[0], *grads[2:], grads[1]), want, mags):
         _assert_tight(g, w, f"d{name}", msg, m, requantized=name != "topk_weights")
 
+    y_own = _y_from_h(h, ids, s, w2, slots, offs, pow2)
+    assert_rows_close(y, y_own, ROWS_BOUND, "y (against the down stage fed the op's H)", msg)
+    assert_rows_close(h[:n], h_q[:n], ROWS_BOUND, "H", msg)
+    dx_q, dw1_q, dw3_q, dw2_q, ds_q = want
+    terms = routing_grad_terms(x, ids, w1, w3, w2, dy)
+    PIECES.assert_close(y, grads, y_own, (dx_q, ds_q, dw1_q, dw3_q, dw2_q), terms, msg)
+
     if dh_quant:
         _check_dh_quantization(dy, w2, h, s, slots, offs, msg)
     assert (grads[1][~valid] == 0).all(), f"empty slots got routing-weight grads; {msg}"
@@ -170,6 +191,24 @@ def _check(T, K, E, D, F, kind, outliers=False, pow2=False, dh_quant=False, engi
         for name, g in zip(GRADS[2:], grads[2:]):
             assert (g[e] == 0).all(), f"d{name}[{e}] of an empty expert is not zero; {msg}"
     return errors
+
+
+def _y_from_h(h, ids, s, w2, slots, offs, pow2):
+    """The forward reference's down stage (A, its e4m3 copy, the down GEMM in float64, the sum over
+    k) fed the op's own H: y as the op makes it up to the down GEMM's accumulation order, with no
+    1 x 128 block of A requantized from a gate or up that differs by an ulp."""
+    T, K = ids.shape
+    F = w2.shape[2]
+    n = int(offs[-1])
+    h = torch.cat([h[:n], h.new_zeros(h.shape[0] - n, h.shape[1])])  # rows past n: empty slots, garbage
+    a = (torch.nn.functional.silu(h[:, :F].float()) * h[:, F:].float()).to(h.dtype)
+    a_q, a_s = Q.quantize_1x128_ref(a, pow2)
+    w2_q, w2_s = Q.quantize_weight_ref(w2, pow2)
+    valid = ids >= 0
+    ybuf = fp8_grouped_gemm_ref(a_q, a_s, w2_q, w2_s, offs, out_slot_N=slots,
+                                slot_weights_N=torch.where(valid, s, 0.0).reshape(-1).float())
+    rows = torch.where(valid.reshape(-1, 1), ybuf.to(h.dtype).double(), 0.0)
+    return rows.view(T, K, -1).float().sum(1).to(h.dtype)
 
 
 def _check_dh_quantization(dy, w2, h, s, slots, offs, msg):
@@ -386,7 +425,7 @@ def test_bench_quantizer_sweep_code_paths():
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not _HAS_CUDA, reason="needs a CUDA GPU (H200)")
+@pytest.mark.gpu
 @pytest.mark.parametrize("engine", ["auto", "triton"])
 def test_gpu_30b_shape(engine):
     """``auto`` runs the weight gradients on the Gluon engine on an sm_90 GPU."""
@@ -476,6 +515,7 @@ def _count_gluon_calls(monkeypatch, module: str = "hopper_grouped", fn: str = "f
     return calls
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not (_HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("T,K,E,D,F,kind", [
     (300, 8, 8, 256, 128, "random"),
@@ -494,6 +534,7 @@ def test_gpu_gluon_grouped_gemms(T, K, E, D, F, kind, monkeypatch):
     assert len(gate_up) == (1 if F % 128 == 0 else 0), gate_up
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not (_HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)), reason="needs an sm_90 GPU")
 def test_gpu_235b_width(monkeypatch):
     """At the Qwen3-235B widths (D 4096, F 1536) ``auto`` takes the Gluon kernels for gate/up and

@@ -23,7 +23,8 @@ from tests.utils import DEBUG_CONFIG, ROOT, free_port, logged_steps, write_file
 TINY = ["--model.n_layers", "1", "--training.seq_len", "32", "--training.local_batch_size", "2",
         "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2", "--training.device", "cpu"]
 WORDS = "the cat sat on a mat and ran to see a big red dog who was happy with its ball".split()
-TIMEOUT_S = 120
+# A hang guard, not a bound: a run of seconds alone can take minutes on a loaded 2-core machine.
+TIMEOUT_S = 600
 
 
 def tiny_run(tmp_path: Path, *extra: str) -> list[str]:
@@ -91,7 +92,14 @@ def test_sigterm_finishes_the_step_saves_and_resumes(tmp_path):
     assert sorted(steps) == list(range(step + 1, more + 1))
     final = tmp_path / "out" / "checkpoint" / f"step-{more}"
     assert re.search(rf"^summary: steps {step + 5}-{more} \(of {step + 1}-{more}; run shorter than the window 6-20\): "
-                     rf".* final loss {steps[more]['loss']:.4f} \(step {more}\)\noutputs: checkpoint {final}$", out, re.M)
+                     rf".* final loss {steps[more]['loss']:.4f} \(step {more}\)\noutputs: checkpoint {re.escape(str(final))}; "
+                     rf"metrics {re.escape(str(tmp_path / 'out' / 'metrics.jsonl'))} \(loss curve: python -m "
+                     rf"bench.loss_curves {re.escape(str(tmp_path / 'out'))}\)$", out, re.M)
+    # The metrics file holds both runs; the resumed one's steps replace what the first logged after its checkpoint.
+    from bench.loss_curves import read_losses
+
+    curve = read_losses(tmp_path / "out")
+    assert max(curve) == more and all(curve[s] == pytest.approx(v["loss"], abs=1e-4) for s, v in steps.items())
     assert re.search(r"^done in [\d.]+s \(startup [\d.]+s, training [\d.]+s, of which checkpoint saves [\d.]+s\)$",
                      out, re.M), out
 
@@ -127,21 +135,40 @@ def test_sigint_to_one_of_two_ranks_stops_both_after_the_same_step(tmp_path):
 @pytest.mark.unit
 def test_a_second_signal_exits_at_once_and_a_quick_copy_does_not():
     """A copy of the signal within REPEAT_GRACE_S (a scheduler and torchrun both sending it) is the
-    same request; one after it exits at once, though the main thread is blocked."""
+    same request; one after it exits at once, though the main thread is blocked. The grace is read
+    off a clock the script steps by hand, and the script waits for each signal to be taken in (the
+    watcher thread reads the clock once per signal), so no outcome depends on how fast the machine is."""
     script = textwrap.dedent(f"""
         import os, signal, sys, threading, time
         sys.path.insert(0, {str(ROOT)!r})
-        from components.signals import GracefulStop
-        with GracefulStop(lambda msg: print(msg, flush=True)) as stop:
+        from components.signals import REPEAT_GRACE_S, GracefulStop
+        now, reads = [0.0], []
+
+        def clock():
+            reads.append(now[0])
+            return now[0]
+
+        def taken_in(n):
+            deadline = time.monotonic() + 240  # a hang, not a slow machine
+            while len(reads) < n:
+                if time.monotonic() > deadline:
+                    print("signal", n, "never taken in", flush=True)
+                    os._exit(1)
+                time.sleep(0.01)
+
+        with GracefulStop(lambda msg: print(msg, flush=True), clock=clock) as stop:
             os.kill(os.getpid(), signal.SIGTERM)
+            taken_in(1)
+            now[0] += 0.9 * REPEAT_GRACE_S
             os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep({REPEAT_GRACE_S} + 0.2)
+            taken_in(2)
             print("still running, stopping for", stop.signum, flush=True)
+            now[0] += 0.2 * REPEAT_GRACE_S
             os.kill(os.getpid(), signal.SIGINT)
-            threading.Event().wait(60)
+            threading.Event().wait(120)
         print("not reached")
     """)
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert res.returncode == 128 + signal.SIGINT, (res.stdout, res.stderr)
     assert res.stdout.count("SIGTERM received:") == 1, res.stdout
     assert f"still running, stopping for {int(signal.SIGTERM)}" in res.stdout and "not reached" not in res.stdout

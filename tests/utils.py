@@ -6,8 +6,9 @@
   :func:`assert_steps_close` (``train.main``'s logged steps against a reference run's).
 - The debug model without the trainer: :func:`debug_model`.
 - Distributed runs (tests/test_distributed.py's protocol): :data:`DIST_BASE`, :func:`global_batches`,
-  :func:`batch_iter`, :func:`run_steps`, :func:`full_state`, :func:`load_full_state`,
-  :func:`assert_same_training`; the pool of gloo workers: :func:`run_job` (tests/multiprocess.py).
+  :func:`batch_iter`, :func:`run_steps` (which can record :func:`full_grads` before each clip),
+  :func:`full_state`, :func:`load_full_state`, :func:`assert_same_training`, :func:`assert_same_grads`;
+  the pool of gloo workers: :func:`run_job` (tests/multiprocess.py).
 - Files: :func:`write_file`, :func:`load_script`.
 - Kernel inputs: :func:`random_seed`, :func:`rel_error`, :func:`make_routing`; MoE backends'
   inputs and gradients: :data:`MOE_CASES`, :func:`make_inputs`, :func:`run_with_grads`.
@@ -16,8 +17,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
+import math
 import os
 import re
 import sys
@@ -158,18 +161,113 @@ def load_full_state(model, state: dict[str, torch.Tensor]) -> None:
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
 
 
-def run_steps(trainer, batches, dp, accumulate, start_step=0) -> list[float]:
+# Module wrappers (activation checkpointing, torch.compile) put these in parameter names; state-dict
+# names leave them out.
+_WRAPPER_PREFIX = re.compile(r"(_checkpoint_wrapped_module|_orig_mod)\.")
+
+
+def full_grads(model) -> dict[str, torch.Tensor | None]:
+    """Every parameter's gradient whole, on the CPU, by its state-dict name (None where it has
+    none); a DTensor gradient is gathered over its mesh, so every rank must call this together."""
+    from torch.distributed.tensor import DTensor
+
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        if g is not None:
+            g = (g.full_tensor() if isinstance(g, DTensor) else g).detach().to("cpu", copy=True)
+        grads[_WRAPPER_PREFIX.sub("", name)] = g
+    return grads
+
+
+@contextlib.contextmanager
+def recording_grads(trainer, grads: list):
+    """While open, each ``trainer.train_step`` appends :func:`full_grads` to ``grads`` as it calls
+    ``clip_grad_norm_``: after backward and every gradient reduction (FSDP's, ``finish_expert_grads``),
+    before the clip and the optimizer, which are blind to a gradient's scale."""
+    trainer_module = sys.modules[type(trainer).__module__]
+    clip = trainer_module.clip_grad_norm_
+
+    def record_then_clip(*args, **kwargs):
+        grads.append(full_grads(trainer.model))
+        return clip(*args, **kwargs)
+
+    trainer_module.clip_grad_norm_ = record_then_clip
+    try:
+        yield
+    finally:
+        trainer_module.clip_grad_norm_ = clip
+
+
+def run_steps(trainer, batches, dp, accumulate, start_step=0, grads: list | None = None) -> list[float]:
+    """Train one step per global batch of ``batches``; the losses. With ``grads`` (a list), each
+    step's gradients before the clip are appended to it (:func:`recording_grads`)."""
     dp_rank = trainer.parallel_dims.dp_mesh.get_local_rank() if trainer.distributed else 0
     it = batch_iter(batches, dp_rank, dp, accumulate)
     losses = []
-    for step in range(start_step + 1, start_step + len(batches) + 1):
-        trainer.step = step
-        losses.append(trainer.train_step(it)[0])
+    recorded = len(grads) if grads is not None else 0
+    with recording_grads(trainer, grads) if grads is not None else contextlib.nullcontext():
+        for step in range(start_step + 1, start_step + len(batches) + 1):
+            trainer.step = step
+            losses.append(trainer.train_step(it)[0])
+    # A trainer that no longer clips through clip_grad_norm_ would leave the gradients unchecked.
+    assert grads is None or len(grads) - recorded == len(batches), "train_step did not call clip_grad_norm_ once"
     return losses
 
 
+def _grad_units(name: str, grad: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The pieces of a gradient compared on their own: each expert's slice of the expert weights
+    (an expert that got no tokens has a zero slice; one expert's wrong scale is not diluted by the
+    others), every other parameter whole."""
+    if ".experts." in name:
+        return [(f"{name}[{e}]", g) for e, g in enumerate(grad)]
+    return [(name, grad)]
+
+
+# Bounds on ||g - g_ref|| / ||g_ref|| per gradient piece, >= 100x under a 1.1x scale error and > 25x
+# above what tests/test_distributed.py's layouts measure (docs/testing.md): the first step differs only
+# in summation order (at most 7.4e-7), later ones also by the parameters' drift after Adam's steps
+# (at most 3.6e-5).
+GRAD_RTOL_FIRST_STEP, GRAD_RTOL = 1e-4, 1e-3
+# The bound on pieces whose reference gradient is zero (an expert that got no tokens); the smallest
+# nonzero piece seen has norm 2e-4.
+GRAD_ATOL = 1e-9
+
+
+def assert_same_grads(got: list[dict], want: list[dict], rtol_first_step: float = GRAD_RTOL_FIRST_STEP,
+                      rtol: float = GRAD_RTOL, atol: float = GRAD_ATOL) -> None:
+    """Every step's gradients (:func:`run_steps`' ``grads``) agree piece by piece
+    (:func:`_grad_units`): ||g - g_ref|| <= rtol x ||g_ref|| + atol in float64, ``rtol_first_step``
+    at the first step. A piece off by a factor 1 + s fails for any s > rtol; the largest relative
+    difference per step is printed (pytest -s shows it)."""
+    assert len(got) == len(want), (len(got), len(want))
+    worst = []
+    for step, (got_step, want_step) in enumerate(zip(got, want), 1):
+        bound = rtol_first_step if step == 1 else rtol
+        assert got_step.keys() == want_step.keys(), (step, sorted(got_step.keys() ^ want_step.keys()))
+        rel_max, failures = 0.0, []
+        for name, ref in want_step.items():
+            assert ref is not None and got_step[name] is not None, f"step {step}: {name} has no gradient"
+            assert got_step[name].shape == ref.shape, (step, name, got_step[name].shape, ref.shape)
+            for (unit, g), (_, r) in zip(_grad_units(name, got_step[name]), _grad_units(name, ref)):
+                g, r = g.double(), r.double()
+                diff, ref_norm = (g - r).norm().item(), r.norm().item()
+                rel_max = max(rel_max, diff / ref_norm if ref_norm > 0 else 0.0)
+                if not diff <= bound * ref_norm + atol:
+                    ratio = g.norm().item() / ref_norm if ref_norm > 0 else math.inf
+                    failures.append(f"{unit}: ||g - g_ref|| = {diff:.3e}, ||g_ref|| = {ref_norm:.3e}, "
+                                    f"||g|| / ||g_ref|| = {ratio:.4f}")
+        worst.append(rel_max)
+        assert not failures, (f"step {step}: gradients before the clip differ from the reference's beyond rtol "
+                              f"{bound:g}, atol {atol:g} ({len(failures)} pieces):\n  " + "\n  ".join(failures[:12]))
+    print("largest relative gradient difference per step:", [f"{w:.1e}" for w in worst])
+
+
 def assert_same_training(got: dict, want: dict, rtol: float = 1e-4, atol: float = 1e-5) -> None:
+    """Losses, every step's gradients before the clip (:func:`assert_same_grads`) and the parameters
+    after the run (``rtol``, ``atol``) agree."""
     assert got["losses"] == pytest.approx(want["losses"], rel=1e-5), (got["losses"], want["losses"])
+    assert_same_grads(got["grads"], want["grads"])
     assert got["state"].keys() == want["state"].keys()
     for name, value in want["state"].items():
         torch.testing.assert_close(got["state"][name], value, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
