@@ -81,9 +81,7 @@ def test_unknown_backend_lists_registered():
 
 
 def gpu_backend(name: str):
-    """The backend, or a skip when this machine cannot run it (no GPU, optional package missing)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a GPU")
+    """The backend, or a skip when its optional package is missing (the gpu marker skips without CUDA)."""
     try:
         return kernels.moe.get_moe_backend(name)
     except ImportError as e:
