@@ -463,6 +463,18 @@ def preflight(env: dict[str, str], python: str = sys.executable) -> dict[str, st
     return result
 
 
+def run_env() -> dict[str, str]:
+    """The environment both trainers run in: this one (NVLink multicast settings included), with
+    upstream's data loader kept off the network and the repo root importable for custom_import."""
+    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])))
+    # NVLink multicast stays off on shared hosts (it can put a host's GPUs out of service).
+    for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                       ("NVSHMEM_DISABLE_NVLS", "1")):
+        env.setdefault(key, value)
+    return env
+
+
 def run_one(run: Run, log_path: Path, timeout_s: float, env: dict[str, str]) -> dict[str, Any]:
     """Run ``run.cmd`` from the repo root, output to ``log_path``; its own process group, so a
     timeout also ends torchrun's worker and compile subprocesses."""
@@ -895,14 +907,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     runs = [r for r in runs if (not only or r.name in only) and r.name not in skip]
 
-    # The runs inherit this environment (NVLink multicast settings included); upstream's data loader
-    # must not look for the network, and the repo root must be importable for custom_import.
-    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])))
-    # NVLink multicast stays off on shared hosts (it can put a host's GPUs out of service).
-    for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                       ("NVSHMEM_DISABLE_NVLS", "1")):
-        env.setdefault(key, value)
+    env = run_env()
     from models.qwen3.args import get_model_args
     from models.qwen3.model import count_params
 

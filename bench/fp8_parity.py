@@ -35,9 +35,9 @@ Each run's end loss is its mean loss over the last ``--tail`` steps (50). Per se
 over its seeds and the spread (highest minus lowest). Checks, each over the seeds both sides ran (the
 seed also picks the data order, which moves the end loss more than precision does): each FP8
 setting within 1% of bf16 and, with two or more bf16 seeds, no further from it than the bf16 seeds'
-spread; ours bf16 (in stream order when that ran) within 1% of upstream. Writes ``parity.json``, ``parity.md`` and ``parity.png`` (mean curves with
-their min-max bands, ``bench.loss_curves``) into ``--out``, the logs into ``<out>/logs``. The
-report is rewritten after every run; ``--report DIR ...`` rebuilds it from the logs of earlier
+spread; ours bf16 (in stream order when that ran) within 1% of upstream. Writes ``parity.json``,
+``parity.md`` and ``parity.png`` (mean curves with their min-max bands, ``bench.loss_curves``) into
+``--out``, the logs into ``<out>/logs``. The report is rewritten after every run; ``--report DIR ...`` rebuilds it from the logs of earlier
 calls (e.g. runs spread over several GPU sessions) without running anything.
 """
 
@@ -63,6 +63,7 @@ from bench.compare import (
     display,
     parse_step_lines,
     plan,
+    run_env,
     run_one,
     torchtitan_toml,
     write_jsonl_data,
@@ -138,11 +139,12 @@ def checks(settings: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         mine, theirs, seeds = _paired_means(s, ref)
         rel = (mine - theirs) / theirs
-        out.append({"check": f"{name} within 1% of bf16", "value": rel, "bound": TOLERANCE, "seeds": seeds,
-                    "passed": abs(rel) <= TOLERANCE})
+        out.append({"check": f"{name} within 1% of bf16", "value": rel, "bound": TOLERANCE, "relative": True,
+                    "seeds": seeds, "passed": abs(rel) <= TOLERANCE})
         if len(ref["seeds"]) > 1:
             out.append({"check": f"{name} within the bf16 seed spread", "value": abs(mine - theirs),
-                        "bound": ref["spread"], "seeds": seeds, "passed": abs(mine - theirs) <= ref["spread"]})
+                        "bound": ref["spread"], "relative": False, "seeds": seeds,
+                        "passed": abs(mine - theirs) <= ref["spread"]})
         if seeds:
             s["paired_diff_vs_bf16"] = [s["end_losses"][s["seeds"].index(x)] - ref["end_losses"][ref["seeds"].index(x)]
                                         for x in seeds]
@@ -153,7 +155,8 @@ def checks(settings: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         rel = (mine - theirs) / theirs
         label = ("bf16 within 1% of upstream, same data order" if ours == IN_ORDER else
                  "bf16 within 1% of upstream (ours shuffled: other data at the end)")
-        out.append({"check": label, "value": rel, "bound": TOLERANCE, "seeds": seeds, "passed": abs(rel) <= TOLERANCE})
+        out.append({"check": label, "value": rel, "bound": TOLERANCE, "relative": True, "seeds": seeds,
+                    "passed": abs(rel) <= TOLERANCE})
     return out
 
 
@@ -179,8 +182,8 @@ def markdown(report: dict[str, Any]) -> str:
     if report["checks"]:
         lines += ["", "| check | seeds compared | value | bound | passed |", "| --- | --- | --- | --- | --- |"]
         for c in report["checks"]:
-            value = f"{c['value']:+.2%}" if "1%" in c["check"] else f"{c['value']:.4f}"
-            bound = f"{c['bound']:.0%}" if "1%" in c["check"] else f"{c['bound']:.4f}"
+            value = f"{c['value']:+.2%}" if c["relative"] else f"{c['value']:.4f}"
+            bound = f"{c['bound']:.0%}" if c["relative"] else f"{c['bound']:.4f}"
             seeds = ", ".join(map(str, c["seeds"])) or "all (none shared)"
             lines.append(f"| {c['check']} | {seeds} | {value} | {bound} | {'yes' if c['passed'] else '**no**'} |")
     return "\n".join(lines) + "\n"
@@ -300,9 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         report = write_report(out, curves, {**meta, "commands": commands, "from": [str(d) for d in args.report]})
         print(markdown(report) + f"chart: {report['chart']}", flush=True)
         return 1 if any(not c["passed"] for c in report["checks"]) else 0
-    # As bench.compare: upstream's data loader must not look for the network, and custom_import needs the repo root.
-    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])))
+    env = run_env()
     if not (TOKENIZER_DIR / "tokenizer.json").is_file():
         write_tokenizer()
     text_dir, ours_dir = prepare_data(args, out, env)

@@ -109,7 +109,8 @@ def plot(groups: dict[str, list[dict[int, float]]], path: Path, title: str = "",
         if len(curves) > 1:
             ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.25, linewidth=0)
     # The first steps' loss (~12 from a random init) would flatten everything after them.
-    ax.set_ylim(min(frame) - 0.05 * (max(frame) - min(frame)) - 0.01, max(frame) + 0.3 * (max(frame) - min(frame)) + 0.01)
+    y_lo, y_hi = min(frame), max(frame)
+    ax.set_ylim(y_lo - 0.05 * (y_hi - y_lo) - 0.01, y_hi + 0.3 * (y_hi - y_lo) + 0.01)
     ax.set_xlabel("step")
     ax.set_ylabel(f"training loss ({window}-step moving average)")
     if title:

@@ -26,8 +26,8 @@ How local data is packed (:class:`PackedTextDataLoader`):
   * Sample ``i`` (numbered over all streams) belongs to data-parallel rank ``i % dp_world_size``, so
     ranks never share a sample.
   * Every epoch, a rank visits its samples in an order shuffled from ``(seed, epoch)`` (in stream
-    order with ``[training] shuffle = false``), in batches of ``B = local_batch_size``; a last partial batch is dropped, then the next epoch starts. All
-    ranks have the same number of batches per epoch only if their sample counts agree to within B;
+    order with ``[training] shuffle = false``), in batches of ``B = local_batch_size``; a last
+    partial batch is dropped, then the next epoch starts. All ranks have the same number of batches per epoch only if their sample counts agree to within B;
     the loader is infinite, so the train loop's step count decides when to stop.
 
 Both loaders are stateful for checkpointing: ``state_dict()`` holds the position, and

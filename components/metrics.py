@@ -100,12 +100,7 @@ class MetricsLogger:
 
             os.makedirs(self.log_dir, exist_ok=True)
             self.writer = SummaryWriter(self.log_dir)
-        self.metrics_file = None
-        if self.metrics_path is not None:
-            os.makedirs(os.path.dirname(self.metrics_path) or ".", exist_ok=True)
-            # Appended: a resumed run continues the file; its "start" record tells readers to drop
-            # the steps from there on that an earlier run wrote.
-            self.metrics_file = open(self.metrics_path, "a", encoding="utf-8")
+        self.metrics_file = None  # opened at the first record: a trainer built but never run writes nothing
         self._last = time.perf_counter()
         self.final_loss: tuple[int, float] | None = None
         # (dropped, routed) (token, expert) slots: per step, and summed over the run.
@@ -114,7 +109,7 @@ class MetricsLogger:
 
     def start(self, first_step: int = 1) -> None:
         """Mark the start of the first timed step (after model build and compile warm-up setup)."""
-        if self.metrics_file is not None:
+        if self.metrics_path is not None:
             self._write({"start": first_step, "time": time.time()})
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -155,12 +150,17 @@ class MetricsLogger:
                 scalars += [("ep_dropped_slots", dropped), ("ep_dropped_fraction", dropped / routed)]
             for key, value in scalars:
                 self.writer.add_scalar(key, value, step)
-        if self.metrics_file is not None:
+        if self.metrics_path is not None:
             self._write({"step": step, "loss": loss, "aux_loss": aux_loss, "grad_norm": grad_norm, "lr": lr,
                          "tps": tps, "step_time": dt, "memory_gib": mem, "tflops": tflops})
         return line
 
     def _write(self, record: dict) -> None:
+        if self.metrics_file is None:
+            os.makedirs(os.path.dirname(self.metrics_path) or ".", exist_ok=True)
+            # Appended: a resumed run continues the file; its "start" record tells readers to drop
+            # the steps from there on that an earlier run wrote.
+            self.metrics_file = open(self.metrics_path, "a", encoding="utf-8")
         self.metrics_file.write(json.dumps(record) + "\n")
         self.metrics_file.flush()
 
